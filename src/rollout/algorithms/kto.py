@@ -1,0 +1,246 @@
+"""Kahneman–Tversky optimisation on unpaired desirable/undesirable completions.
+
+    rollout train kto --config examples/kto-tiny.toml           # CPU, ~1 minute
+
+Ethayarajh et al. (2024). Lines are `{prompt, completion, label}`. The
+reference point z0 is a batch estimate of KL(π‖π_ref) from *mismatched*
+pairs: line i's prompt with line (i+1 mod N)'s completion, a fixed pairing
+in dataset order (TRL pairs by shifting completions within a batch; a fixed
+pairing lets the reference side be precomputed like the matched one). z0 is
+computed without gradient, as in the paper and TRL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.algorithms.common import (
+    RunContext,
+    TrainProgress,
+    TrainResult,
+    build_torch_backend,
+    finish_training,
+    load_tokenizer,
+    load_trainable,
+    model_file_blobs,
+    prepare_process,
+    resolve_total_steps,
+    restore_or_start,
+    run_lifecycle,
+    snapshot_backend,
+    snapshot_due,
+    snapshot_extra,
+    tokenize_aligned,
+)
+from rollout.algorithms.reference import Reference, build_reference
+from rollout.config import KTOConfig, RunConfig
+from rollout.errors import AlgorithmError, DataError
+
+
+@dataclass(frozen=True)
+class KTOBatch:
+    tokens: Any  # TokenBatch of prompt+completion rows
+    labels: Any  # [B] bool, True = desirable
+    ref_logps: Any  # [B]
+    kl: Any  # scalar tensor: z0, detached
+
+
+def train_kto(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    with run_lifecycle(cfg, resume=resume) as ctx:
+        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+
+
+def split_prompt(sample: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prompt ids, completion ids): the completion starts at the first loss token."""
+    k = sample.loss_mask.index(True)
+    return sample.input_ids[:k], sample.input_ids[k:]
+
+
+def mismatched_samples(samples: Sequence[Any], max_seq_len: int) -> list[Any]:
+    """Line i's prompt + line (i+1 mod N)'s completion, truncated to max_seq_len."""
+    from rollout.data.tokenize import TokenizedSample
+
+    out = []
+    n = len(samples)
+    for i in range(n):
+        prompt, _ = split_prompt(samples[i])
+        _, completion = split_prompt(samples[(i + 1) % n])
+        ids = (prompt + completion)[:max_seq_len]
+        mask = ((False,) * len(prompt) + (True,) * len(completion))[:max_seq_len]
+        if not any(mask):  # the prompt filled the row: keep one completion token
+            ids, mask = prompt[: max_seq_len - 1] + completion[:1], (False,) * (max_seq_len - 1) + (True,)
+        out.append(TokenizedSample(input_ids=ids, loss_mask=mask))
+    return out
+
+
+def make_kto_loss_fn(s: KTOConfig, normalizer: float) -> Any:
+    from rollout.losses.logps import sequence_logps
+    from rollout.losses.preference import kto_loss
+
+    def loss_fn(model: Any, batch: KTOBatch) -> tuple[Any, dict[str, float]]:
+        logps, _ = sequence_logps(model, batch.tokens)
+        return kto_loss(
+            logps, batch.ref_logps, batch.labels, batch.kl, beta=s.beta, desirable_weight=s.desirable_weight,
+            undesirable_weight=s.undesirable_weight, normalizer=normalizer,
+        )
+
+    return loss_fn
+
+
+def precompute_kto_table(ref: Reference, matched: Sequence[Any], mismatched: Sequence[Any], pad_id: int, device: Any) -> Any:
+    """[2N] reference log-probs: matched lines then their mismatched partners."""
+    import torch
+
+    from rollout.backends.torch_backend import move_to
+    from rollout.data.collate import collate_padded
+
+    seqs = [*matched, *mismatched]
+    table = torch.empty(len(seqs), dtype=torch.float64)
+    for start in range(0, len(seqs), 64):
+        chunk = seqs[start : start + 64]
+        tokens = move_to(collate_padded(chunk, pad_id), device)
+        table[start : start + len(chunk)] = ref.logps(tokens, []).double().cpu()
+    return table
+
+
+async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
+    import torch
+
+    from rollout.algorithms.reference import digest_records
+    from rollout.backends.torch_backend import move_to, pick_device
+    from rollout.data.collate import collate_padded
+    from rollout.data.jsonl import read_rows
+    from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+    from rollout.data.tokenize import tokenize_sft
+    from rollout.losses.logps import sequence_logps
+    from rollout.losses.preference import kto_kl_estimate
+
+    cfg, rec = ctx.config, ctx.recorder
+    prepare_process(cfg)
+
+    # ---- data
+    tokenizer = load_tokenizer(s.base_model)
+    pad_id = tokenizer.pad_token_id
+    rows, report = read_rows(s.dataset.path, "kto", on_bad_line=s.dataset.on_bad_line)
+    samples, stats, rows = tokenize_aligned(
+        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=s.packing.max_seq_len,
+                                path=s.dataset.path), rows,
+    )
+    labels = torch.tensor([bool(r.data["label"]) for r in rows])
+    if labels.all() or not labels.any():
+        raise DataError(f"{s.dataset.path}: kto needs both desirable (true) and undesirable (false) lines")
+    mismatched = mismatched_samples(samples, s.packing.max_seq_len)
+    n_lines = len(samples)
+    plan = MicroBatchPlan([len(x.input_ids) for x in samples], micro_batch_size=s.minibatch_size, packing="off",
+                          max_seq_len=s.packing.max_seq_len, seed=cfg.seed)
+    total_steps = resolve_total_steps(
+        s.budget, batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
+        tokens_per_batch=stats.num_tokens / max(1, n_lines) * s.minibatch_size,
+    )
+
+    # ---- policy, reference, optimizer
+    device = pick_device(cfg.backend.device)
+    model = load_trainable(s, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device)
+    ref = build_reference(
+        ctx, model, base=s.base_model, reference=s.reference, lora=s.lora is not None, pad_token_id=pad_id,
+        device=device, seed=cfg.seed,
+        precompute_fn=lambda r: precompute_kto_table(r, samples, mismatched, pad_id, device),
+        data_digest=digest_records([*samples, *mismatched], extra={"algorithm": "kto"}),
+    )
+    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    static_blobs = model_file_blobs(model, tokenizer)
+    loop = await restore_or_start(ctx, backend)
+
+    extra = snapshot_extra(cfg, s, model_class="causal_lm", reference=ref.kind, reference_table=ref.snapshot_id)
+    rec.event(
+        "train_start", algorithm="kto", total_steps=total_steps, start_step=loop.step, device=str(device),
+        num_lines=n_lines, num_desirable=int(labels.sum()), num_truncated=stats.num_truncated,
+        num_skipped_lines=report.num_skipped, reference=ref.kind,
+        resumed_from=ctx.resume_from.id if ctx.resume_from else None,
+    )
+
+    stream = iterate_micro_batches(plan, loop.cursor)
+    last: dict[str, float] = {}
+    with TrainProgress("kto", total_steps, start=loop.step) as progress:
+        while loop.step < total_steps and (s.budget.max_tokens is None or loop.tokens_seen < s.budget.max_tokens):
+            t0 = time.perf_counter()
+            batches = []
+            for _ in range(s.gradient_accumulation):
+                loop.cursor, rows_ = next(stream)
+                idx = [r[0].sample for r in rows_]
+                tokens = move_to(collate_padded([samples[i] for i in idx], pad_id), device)
+                kl_tokens = move_to(collate_padded([mismatched[i] for i in idx], pad_id), device)
+                with torch.no_grad():
+                    was_training = model.training
+                    model.eval()
+                    policy_kl, _ = sequence_logps(model, kl_tokens)
+                    model.train(was_training)
+                ref_kl = ref.logps(kl_tokens, [n_lines + i for i in idx]).to(device)
+                batches.append(KTOBatch(
+                    tokens=tokens, labels=labels[idx].to(device),
+                    ref_logps=ref.logps(tokens, idx).to(device), kl=kto_kl_estimate(policy_kl, ref_kl),
+                ))
+            normalizer = float(sum(len(b.labels) for b in batches))
+            loss_fn = make_kto_loss_fn(s, normalizer)
+            agg: dict[str, float] = {}
+            for b in batches:
+                for k, v in (await backend.forward_backward(b, loss_fn)).items():
+                    agg[k] = agg.get(k, 0.0) + v
+            result = await backend.optim_step()
+            loop.step += 1
+            step_tokens = sum(b.tokens.num_tokens for b in batches)
+            loop.tokens_seen += step_tokens
+            dt = time.perf_counter() - t0
+            loss = agg["loss_sum"] / normalizer
+            if loss != loss:
+                raise AlgorithmError(f"step {loop.step}: loss is NaN (lr or beta too high?)")
+            n_d, n_u = agg["num_desirable"], agg["num_undesirable"]
+            last = {
+                "train/loss": loss,
+                "rewards/desirable": agg["reward_desirable_sum"] / n_d if n_d else 0.0,
+                "rewards/undesirable": agg["reward_undesirable_sum"] / n_u if n_u else 0.0,
+                "train/kl": agg["kl"] / len(batches),
+                "train/lr": result.lr, "train/grad_norm": result.grad_norm,
+                "perf/tokens_per_s": step_tokens / dt, "train/tokens_seen": float(loop.tokens_seen),
+            }
+            rec.metrics(loop.step, last)
+            rec.event("train_step", step=loop.step, loss=loss, kl=last["train/kl"], lr=result.lr,
+                      grad_norm=result.grad_norm)
+            progress.update(loop.step, {"loss": loss, "kl": last["train/kl"]})
+            if snapshot_due(s, loop.step, total_steps):
+                await snapshot_backend(
+                    ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
+                )
+
+    return await finish_training(
+        ctx, backend, model, tokenizer, s, loop, static_blobs=static_blobs, extra=extra, metrics=last
+    )
+
+
+def desirable_gap(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_len: int, batch_size: int = 64) -> float:
+    """Mean completion log-prob of desirable lines minus that of undesirable lines."""
+    import torch
+
+    from rollout.data.collate import collate_padded
+    from rollout.data.jsonl import Row
+    from rollout.data.tokenize import tokenize_sft
+    from rollout.losses.logps import sequence_logps
+
+    rows = [r if isinstance(r, Row) else Row(line=i + 1, data=r) for i, r in enumerate(rows)]
+    samples, _, rows = tokenize_aligned(
+        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=max_seq_len), rows
+    )
+    sums = {True: [0.0, 0], False: [0.0, 0]}
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(samples), batch_size):
+            logps, _ = sequence_logps(model, collate_padded(samples[start : start + batch_size], tokenizer.pad_token_id))
+            for row, lp in zip(rows[start : start + batch_size], logps.tolist(), strict=True):
+                bucket = sums[bool(row.data["label"])]
+                bucket[0] += lp
+                bucket[1] += 1
+    return sums[True][0] / max(1, sums[True][1]) - sums[False][0] / max(1, sums[False][1])

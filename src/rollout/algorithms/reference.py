@@ -1,0 +1,161 @@
+"""The frozen reference policy of DPO and KTO, in its three forms.
+
+- `copy`: a second, frozen model loaded from `reference.uri` (default: the base model).
+- `adapter`: under LoRA with the reference being the base model, the policy
+  itself with its adapters disabled — one model in memory.
+- `table`: `reference.precompute = true` — log-probs of every training
+  sequence computed once in a batched pass before training, stored in the
+  object store as a labeled `buffer` snapshot keyed by a digest of the
+  reference model files, the tokenized data and the settings, and reused by
+  any later run (or resume) with the same key. The reference model is never
+  held during training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from rollout.algorithms.common import RunContext, load_model
+from rollout.config import BaseModelConfig, ReferenceConfig
+from rollout.errors import AlgorithmError
+
+TABLE_LABEL = "reference_logps:"
+
+
+@dataclass
+class Reference:
+    """Computes reference log-prob sums (and token counts) for a TokenBatch."""
+
+    kind: str  # "copy" | "adapter" | "table"
+    model: Any = None  # the frozen copy, or the policy itself for "adapter"
+    table: Any = None  # [num_sequences] float64 log-prob sums, for "table"
+    snapshot_id: str | None = None
+
+    def logps(self, tokens: Any, seq_ids: Sequence[int]) -> Any:
+        """[rows] reference log-prob sums for `tokens`, whose rows are sequences `seq_ids` (table)."""
+        import torch
+
+        from rollout.losses.logps import sequence_logps
+
+        if self.kind == "table":
+            return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
+        guard = self.model.disable_adapter() if self.kind == "adapter" else nullcontext()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), guard:
+                logps, _ = sequence_logps(self.model, tokens)
+        finally:
+            self.model.train(was_training)
+        return logps.float()
+
+
+def build_reference(
+    ctx: RunContext,
+    policy: Any,
+    *,
+    base: BaseModelConfig,
+    reference: ReferenceConfig,
+    lora: bool,
+    pad_token_id: int,
+    device: Any,
+    seed: int,
+    precompute_fn: Callable[[Reference], Any],
+    data_digest: str,
+) -> Reference:
+    """Pick and build the reference. `precompute_fn(ref)` returns the whole table
+    ([num_sequences] log-prob sums, in the order the algorithm indexes it)."""
+    uri = reference.uri or base.uri
+    shares_base = uri == base.uri
+    if reference.precompute:
+        return _table(ctx, policy, base=base, uri=uri, lora=lora and shares_base, pad_token_id=pad_token_id,
+                      device=device, seed=seed, precompute_fn=precompute_fn, data_digest=data_digest)
+    if lora and shares_base:
+        return Reference(kind="adapter", model=policy)
+    return Reference(kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed))
+
+
+def _frozen_copy(base: BaseModelConfig, uri: str, pad_token_id: int, device: Any, seed: int) -> Any:
+    spec = base.model_copy(update={"uri": uri})
+    model = load_model(spec, task="causal_lm", pad_token_id=pad_token_id, seed=seed).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _table(
+    ctx: RunContext, policy: Any, *, base: BaseModelConfig, uri: str, lora: bool, pad_token_id: int,
+    device: Any, seed: int, precompute_fn: Callable[[Reference], Any], data_digest: str,
+) -> Reference:
+    import torch
+    from safetensors.torch import load as load_safetensors
+    from safetensors.torch import save as save_safetensors
+
+    from rollout.snapshots import Blob, commit_snapshot, read_snapshot_blob
+
+    # A resumed run uses exactly the table its snapshot was trained against.
+    if ctx.resume_from is not None:
+        table_id = ctx.resume_from.manifest.get("extra", {}).get("reference_table")
+        if table_id:
+            record = ctx.store.get_snapshot(table_id)
+            table = load_safetensors(read_snapshot_blob(ctx.objects, record, "logps"))["logps"]
+            ctx.recorder.event("reference_reused", snapshot_id=record.id, reason="resume")
+            return Reference(kind="table", table=table, snapshot_id=record.id)
+
+    key = blake3.blake3(
+        json.dumps({"format": 1, "model": model_digest(uri), "dtype": base.dtype, "data": data_digest},
+                   sort_keys=True).encode()
+    ).hexdigest()
+    label = TABLE_LABEL + key
+    for record in ctx.store.list_snapshots(kind="buffer"):
+        if record.label == label:
+            table = load_safetensors(read_snapshot_blob(ctx.objects, record, "logps"))["logps"]
+            ctx.recorder.event("reference_reused", snapshot_id=record.id, reason="same model and data")
+            return Reference(kind="table", table=table, snapshot_id=record.id)
+
+    computer = Reference(kind="adapter", model=policy) if lora else Reference(
+        kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed)
+    )
+    out = precompute_fn(computer).detach().double().cpu().contiguous()
+    if not torch.isfinite(out).all():
+        raise AlgorithmError("reference log-probs contain NaN or inf")
+    record = commit_snapshot(
+        ctx.store, ctx.objects, run_id=ctx.run.id, kind="buffer", step=0, label=label,
+        blobs={"logps": Blob(data=save_safetensors({"logps": out.contiguous()}),
+                             meta={"tensors": {"logps": {"dtype": "float64", "shape": list(out.shape)}}})},
+        extra={"content": "reference_logps", "reference_model": uri, "data_digest": data_digest},
+    )
+    ctx.recorder.event("reference_precomputed", snapshot_id=record.id, sequences=int(out.shape[0]))
+    del computer
+    return Reference(kind="table", table=out, snapshot_id=record.id)
+
+
+def model_digest(uri: str) -> str:
+    """blake3 over a local model folder's files (names + contents); the uri itself for hub ids."""
+    path = Path(uri)
+    if not path.is_dir():
+        return blake3.blake3(uri.encode()).hexdigest()
+    h = blake3.blake3()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def digest_records(records: Sequence[Any], *, extra: dict[str, Any] | None = None) -> str:
+    """Digest of tokenized records (frozen dataclasses of ids/masks), for the table key."""
+    import dataclasses
+
+    h = blake3.blake3(json.dumps(extra or {}, sort_keys=True).encode())
+    for r in records:
+        h.update(json.dumps(dataclasses.asdict(r), sort_keys=True, default=int).encode() + b"\n")
+    return h.hexdigest()

@@ -1,0 +1,60 @@
+"""The `TrainingBackend` protocol (SPEC section 7).
+
+A backend owns the model, optimizer and scheduler. Algorithms hand it a batch
+and a loss function; every call returns an awaitable so generation and
+training can be pipelined. Backends: `torch` (one device, CPU or CUDA) and
+`mock` (deterministic, no torch, for orchestration tests); FSDP comes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+BatchT = TypeVar("BatchT", contravariant=True)
+
+
+class LossFn(Protocol[BatchT]):
+    """`loss_fn(model, batch) -> (loss, metrics)`: runs the forward pass and a pure loss."""
+
+    def __call__(self, model: Any, batch: BatchT) -> tuple[Any, dict[str, float]]: ...
+
+
+@dataclass(frozen=True)
+class BackendState:
+    """Everything needed to continue training bit-identically.
+
+    `blobs` are opaque bytes (safetensors for the torch backend) stored in the
+    object store; `meta` is JSON-able (optimizer hyper-parameters, scheduler,
+    RNG states) and `tensors` describes each tensor blob (dtype/shape) for the
+    snapshot manifest.
+    """
+
+    blobs: Mapping[str, bytes]
+    meta: Mapping[str, Any]
+    tensors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimStepResult:
+    grad_norm: float
+    lr: float
+
+
+class TrainingBackend(Protocol[BatchT]):
+    async def forward_backward(self, batch: BatchT, loss_fn: LossFn[BatchT]) -> dict[str, float]:
+        """Forward + backward of one micro-batch; gradients accumulate until `optim_step`."""
+        ...
+
+    async def optim_step(self) -> OptimStepResult:
+        """Clip, step the optimizer and scheduler, zero the gradients."""
+        ...
+
+    async def state(self) -> BackendState: ...
+
+    async def load_state(self, state: BackendState) -> None: ...
+
+    async def export_weights(self) -> Mapping[str, Any]:
+        """The model's weights by name (LoRA merged), e.g. to push to an inference engine."""
+        ...

@@ -1,0 +1,76 @@
+"""`rollout validate` and `rollout schema`: config checks that never import torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from rollout.config import RunConfig, load_config
+from rollout.errors import DataError
+
+DATA_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
+
+
+def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
+    """The dataset exists (and, with scan_lines, every line has the algorithm's shape)."""
+    ds = cfg.algorithm.settings.dataset
+    if not ds.path.is_file():
+        raise DataError(f"dataset not found: {ds.path}")
+    if not scan_lines:
+        return f"dataset={ds.path}"
+    from rollout.data.jsonl import scan_dataset
+
+    report = scan_dataset(ds.path, DATA_KINDS[cfg.algorithm.kind], on_bad_line=ds.on_bad_line)
+    skipped = f" skipped={report.num_skipped}" if report.num_skipped else ""
+    return f"dataset={ds.path} lines={report.num_valid}{skipped}"
+
+
+def check_model_path(cfg: RunConfig) -> None:
+    """A local model folder (anything that resolved to a path) must exist."""
+    from rollout.errors import ModelError
+
+    s = cfg.algorithm.settings
+    reference = getattr(s, "reference", None)
+    for uri in (s.base_model.uri, reference.uri if reference is not None else None):
+        if uri is not None and Path(uri).is_absolute() and not Path(uri).is_dir():
+            raise ModelError(f"model not found: {uri}")
+
+
+def check_plugins(cfg: RunConfig) -> None:
+    """RL reward functions and envs resolve (built-in names, or importable `module:attr`)."""
+    s = cfg.algorithm.settings
+    rewards = getattr(s, "rewards", ())
+    env = getattr(s, "env", None)
+    if not rewards and env is None:
+        return
+    from rollout.rl.envs import resolve_env
+    from rollout.rl.rewards import resolve_reward
+
+    for spec in rewards:
+        resolve_reward(spec.name)
+    if env is not None:
+        resolve_env(env)
+
+
+def validate(
+    config: Path = typer.Option(..., "--config", "-c", help="Run config (TOML)."),
+    no_data: bool = typer.Option(False, "--no-data", help="Skip scanning the dataset's lines."),
+) -> None:
+    """Parse and validate a run config and its dataset's lines (no model, no plugins)."""
+    cfg = load_config(config)
+    data = check_dataset(cfg, scan_lines=not no_data)
+    check_plugins(cfg)
+    s = cfg.algorithm.settings
+    typer.echo(f"config OK: algorithm={cfg.algorithm.kind} model={s.base_model.uri} {data}")
+
+
+def schema() -> None:
+    """Print the JSON Schema of the run config."""
+    typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2, sort_keys=True))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)
+    app.command("schema")(schema)

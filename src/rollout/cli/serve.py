@@ -1,0 +1,137 @@
+"""`rollout serve`: an OpenAI-compatible HTTP server for a model folder or a snapshot.
+
+    rollout serve --model local/models/sft-tiny                          # http://127.0.0.1:8000/v1
+    rollout serve --model 3f2a9c1e --port 8001 --api-key "$KEY" --admin-key "$ADMIN"
+    rollout serve --model local/models/sft-tiny --port 0                 # any free port (printed)
+
+Keys also come from $ROLLOUT_API_KEY / $ROLLOUT_ADMIN_KEY. Without an admin key
+`POST /update_weights_from_disk` is refused. Limits come from the config's
+`[inference.server]` block. Only light imports here (fastapi, torch and
+uvicorn load after the arguments are parsed).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Annotated
+
+import typer
+
+from rollout.cli.infer import ConfigOption, DtypeOption, ModelOption, ThreadsOption, storage_locations
+from rollout.cli.snapshot import ObjectPathOption, StoragePathOption
+from rollout.errors import ConfigError, RolloutError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(
+    model: ModelOption = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Interface to bind (loopback by default).")
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one.")
+    ] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar="ROLLOUT_API_KEY", help="Require `Authorization: Bearer KEY`."),
+    ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(
+            "--admin-key", envvar="ROLLOUT_ADMIN_KEY", help="Enables POST /update_weights_from_disk."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option("--served-model-name", help="Name clients send as `model`.")
+    ] = None,
+    config: ConfigOption = None,
+    max_batch_size: Annotated[
+        int | None, typer.Option("--max-batch-size", min=1, help="Sequences per step.")
+    ] = None,
+    max_queue: Annotated[
+        int | None, typer.Option("--max-queue", min=1, help="Waiting requests before 503.")
+    ] = None,
+    dtype: DtypeOption = None,
+    threads: ThreadsOption = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    storage_path: StoragePathOption = None,
+    object_path: ObjectPathOption = None,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    from rollout.inference.config import load_inference_config, with_overrides
+
+    cfg = with_overrides(
+        load_inference_config(config),
+        dtype=dtype,
+        threads=threads,
+        max_batch_size=max_batch_size,
+        server={"max_queue": max_queue},
+    )
+    if cfg.engine == "openai":
+        raise ConfigError('rollout serve runs the model itself: set inference.engine to "hf" or "vllm"')
+    listener = _bind(host, port)  # fail on a taken port before loading the model
+
+    import uvicorn
+
+    from rollout.inference.build import build_engine, resolve_engine_model
+    from rollout.serve.app import ServerSettings, create_app
+
+    storage, objects = storage_locations(storage_path, object_path)
+    resolved = resolve_engine_model(cfg, model=model, storage_path=storage, object_path=objects)
+    engine = build_engine(cfg, resolved)
+    s = cfg.server
+    settings = ServerSettings(
+        model_name=served_model_name or resolved.name,
+        api_key=api_key or None,
+        admin_key=admin_key or None,
+        max_batch_size=cfg.max_batch_size,
+        max_queue=s.max_queue,
+        gather_window_s=s.gather_window_ms / 1000,
+        max_body_bytes=s.max_body_bytes,
+        max_tokens_limit=s.max_tokens_limit,
+        max_n=s.max_n,
+        max_prompts=s.max_prompts,
+        retry_after_s=s.retry_after_s,
+    )
+    app = create_app(engine, settings)
+    bound_host, bound_port = listener.getsockname()[:2]
+    if host not in LOOPBACK and not api_key:
+        print(
+            f"warning: serving on {host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+        )
+    typer.echo(
+        f"serving {settings.model_name} on http://{_url_host(bound_host)}:{bound_port}/v1"
+        f" (api key {'on' if api_key else 'off'}, weight updates {'on' if admin_key else 'off'})"
+    )
+    sys.stdout.flush()
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    )
+    try:
+        server.run(sockets=[listener])
+    finally:
+        engine.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise RolloutError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,623 @@
+"""The run config: pydantic models are the schema (SPEC section 3).
+
+`load_config(path)` parses TOML, validates it against `RunConfig` and resolves
+relative paths against the config file's folder. Every violation is reported
+at once, each with a deterministic dotted locator
+(`algorithm.sft.optimizer.lrr: unknown field`) and, where it can be found, the
+line of the TOML file. `rollout schema` prints `RunConfig.model_json_schema()`;
+`schema/run-config.schema.json` is a committed copy checked by the tests.
+
+This module imports neither torch nor transformers: `rollout validate` and
+`train --dry-run` must work without them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import blake3
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+from rollout.errors import ConfigError
+from rollout.inference.config import InferenceConfig
+
+SCHEMA_VERSION = 1
+AlgorithmKind = Literal["sft", "rm", "dpo", "kto", "grpo", "ppo"]
+ALGORITHM_KINDS: tuple[str, ...] = ("sft", "rm", "dpo", "kto", "grpo", "ppo")
+BUILTIN_REWARDS: tuple[str, ...] = ("arithmetic_correct", "math_answer", "format_answer_only")
+BUILTIN_ENVS: tuple[str, ...] = ("arithmetic", "math")
+_PLUGIN_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _resolve_path(value: Path, info: ValidationInfo) -> Path:
+    base = (info.context or {}).get("base_dir")
+    value = value.expanduser()
+    if base is not None and not value.is_absolute():
+        value = Path(base) / value
+    return Path(value.resolve()) if value.is_absolute() else value
+
+
+ConfigPath = Annotated[Path, AfterValidator(_resolve_path)]
+"""A filesystem path; relative paths resolve against the config file's folder."""
+
+
+def _resolve_model_uri(value: str, info: ValidationInfo) -> str:
+    """A local directory (resolved like a path) or a hub id like `org/name`."""
+    base = (info.context or {}).get("base_dir")
+    looks_local = value.startswith(("./", "../", "/", "~")) or value in (".", "..")
+    if base is not None and not looks_local and (Path(base) / value).exists():
+        looks_local = True
+    if not looks_local:
+        return value
+    path = Path(value).expanduser()
+    if base is not None and not path.is_absolute():
+        path = Path(base) / path
+    return str(path.resolve())
+
+
+class StrictModel(BaseModel):
+    """Base for every config block: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------- storage
+
+
+class EmbeddedStorageConfig(StrictModel):
+    """The embedded metadata store: one SQLite file (WAL, synchronous=FULL)."""
+
+    path: ConfigPath = Field(Path("./rollout.db"), description="SQLite database file.")
+
+
+class PostgresStorageConfig(StrictModel):
+    """PostgreSQL metadata store."""
+
+    dsn: str = Field(min_length=1, description="postgresql://user@host:port/db")
+
+
+class ObjectStorageConfig(StrictModel):
+    """Where snapshot bytes live: a content-addressed blob store."""
+
+    backend: Literal["fs"] = Field("fs", description="fs (s3 and gcs are planned).")
+    path: ConfigPath = Field(Path("./object-store"), description="Root folder of the fs object store.")
+
+
+class StorageConfig(StrictModel):
+    """Where runs, events, metrics and snapshot rows (and bytes) are kept."""
+
+    backend: Literal["embedded", "postgres"] = Field("embedded", description="Metadata store backend.")
+    embedded: EmbeddedStorageConfig = Field(default_factory=EmbeddedStorageConfig)
+    postgres: PostgresStorageConfig | None = None
+    objects: ObjectStorageConfig = Field(default_factory=ObjectStorageConfig)
+    runs_dir: ConfigPath | None = Field(
+        None, description="Folder for per-run files (events.jsonl); default: `runs/` beside the database."
+    )
+
+    @model_validator(mode="after")
+    def _postgres_needs_dsn(self) -> StorageConfig:
+        if self.backend == "postgres" and self.postgres is None:
+            raise ValueError('backend = "postgres" needs a [storage.postgres] block with dsn')
+        return self
+
+    def resolved_runs_dir(self) -> Path:
+        return self.runs_dir if self.runs_dir is not None else self.embedded.path.parent / "runs"
+
+
+# --------------------------------------------------------------------------- algorithm blocks
+
+
+class BaseModelConfig(StrictModel):
+    """The model training starts from."""
+
+    uri: Annotated[str, AfterValidator(_resolve_model_uri)] = Field(
+        min_length=1, description="Local model folder (relative to the config) or a hub id (online only)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    revision: str | None = Field(None, description="Hub revision (hub ids only).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
+
+
+class AdamWConfig(StrictModel):
+    """AdamW (Loshchilov & Hutter, 2019)."""
+
+    kind: Literal["adamw"]
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="Adam (beta1, beta2)."
+    )
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+
+
+class SGDConfig(StrictModel):
+    """Plain SGD with optional momentum."""
+
+    kind: Literal["sgd"]
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="Momentum factor.")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay.")
+    nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0).")
+
+
+OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="kind")]
+
+
+class SchedulerConfig(StrictModel):
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak.")
+
+
+class BudgetConfig(StrictModel):
+    """When training stops: exactly one of max_steps, max_epochs, max_tokens."""
+
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps.")
+    max_epochs: float | None = Field(None, gt=0, description="Passes over the dataset (fractions allowed).")
+    max_tokens: int | None = Field(None, ge=1, description="Non-pad tokens seen.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BudgetConfig:
+        given = [n for n in ("max_steps", "max_epochs", "max_tokens") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of max_steps, max_epochs, max_tokens (got {len(given)})")
+        return self
+
+
+class JsonlDatasetConfig(StrictModel):
+    """A local JSONL file, one object per line (SPEC section 4)."""
+
+    kind: Literal["jsonl_path"] = Field("jsonl_path", description="jsonl_path (hf_dataset is planned).")
+    path: ConfigPath = Field(description="The JSONL file.")
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error", description="error: refuse the file; skip: drop bad lines and report the count."
+    )
+
+
+class PackingConfig(StrictModel):
+    """Sequence packing. Packed samples never attend to each other (block-diagonal mask)."""
+
+    kind: Literal["off", "bfd", "wrapped"] = Field(
+        "off", description="off: one sample per row; bfd: best-fit decreasing; wrapped: stream cut into rows."
+    )
+    max_seq_len: int = Field(512, ge=8, le=1_048_576, description="Row length; longer samples are truncated.")
+
+
+class LossOnConfig(StrictModel):
+    """Which tokens the SFT loss is computed on."""
+
+    kind: Literal["full", "completion", "assistant"] = Field(
+        "full", description="full: all; completion: the completion / last assistant turn; assistant: all assistant turns."
+    )
+
+
+class SnapshotConfig(StrictModel):
+    """train_state snapshot cadence. One is always saved at the end of training."""
+
+    every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
+    keep_last: int | None = Field(3, ge=1, description="Prune older unlabeled snapshots of the run (None keeps all).")
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters through peft (Hu et al., 2021)."""
+
+    r: int = Field(8, ge=1, description="Rank.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1, description="Module names to adapt."
+    )
+
+
+class ExportConfig(StrictModel):
+    """Write a Hugging Face–loadable model folder at the end of training."""
+
+    dir: ConfigPath = Field(description="Output folder (overwritten).")
+
+
+class _TrainCommon(StrictModel):
+    minibatch_size: int = Field(ge=1, le=65536, description="Rows per micro-batch.")
+    gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm (None: no clipping).")
+    base_model: BaseModelConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    budget: BudgetConfig
+    dataset: JsonlDatasetConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    export: ExportConfig | None = Field(None, description="Export the final model as a HF folder.")
+
+
+class SFTConfig(_TrainCommon):
+    """Supervised fine-tuning: cross-entropy on the `loss_on` tokens."""
+
+    loss_on: LossOnConfig = Field(default_factory=LossOnConfig)
+
+
+class RMConfig(_TrainCommon):
+    """Reward model: Bradley–Terry scalar head on the last non-pad token."""
+
+    head: Literal["bradley_terry"] = Field("bradley_terry", description="Reward head / loss.")
+    margin: float = Field(
+        0.0, description="Margin m in -log σ(r_c - r_r - m); a per-line `margin` field adds to it."
+    )
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Adds c·mean((r_c + r_r)²) to keep rewards centred (Eisenstein et al., 2023)."
+    )
+    loss_on: LossOnConfig = Field(default_factory=LossOnConfig, description="Only `full`: RM scores whole sequences.")
+
+    @model_validator(mode="after")
+    def _rm_shape(self) -> RMConfig:
+        if self.packing.kind != "off":
+            raise ValueError('packing.kind must be "off" for rm (pairs are scored one per row)')
+        if self.loss_on.kind != "full":
+            raise ValueError('loss_on.kind must be "full" for rm (the reward scores the whole sequence)')
+        return self
+
+
+class ReferenceConfig(StrictModel):
+    """The frozen reference policy of DPO/KTO.
+
+    By default a frozen copy of the base model; under LoRA (and the same uri)
+    the policy itself with its adapters disabled, so no second copy is held.
+    With `precompute = true` its log-probs are computed once before training
+    in a batched pass, stored content-addressed and reused by later runs on
+    the same model and data; the reference is then never loaded in training.
+    """
+
+    uri: Annotated[str, AfterValidator(_resolve_model_uri)] | None = Field(
+        None, min_length=1, description="Reference model (default: base_model.uri)."
+    )
+    precompute: bool = Field(False, description="Compute reference log-probs once before training.")
+
+
+def _pairs_unpacked(block: _TrainCommon, kind: str) -> None:
+    if block.packing.kind != "off":
+        raise ValueError(f'packing.kind must be "off" for {kind} (sequences are scored one per row)')
+
+
+class DPOConfig(_TrainCommon):
+    """Direct preference optimisation and its variants (sigmoid, ipo, hinge, robust)."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid", description="sigmoid: DPO; ipo: IPO (length-averaged log-probs); hinge: SLiC; robust: rDPO."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed label-flip rate ε (cDPO for sigmoid, rDPO for robust)."
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _dpo_shape(self) -> DPOConfig:
+        _pairs_unpacked(self, "dpo")
+        if self.label_smoothing and self.loss_type in ("ipo", "hinge"):
+            raise ValueError(f"label_smoothing has no meaning for loss_type = {self.loss_type!r}")
+        return self
+
+
+class KTOConfig(_TrainCommon):
+    """Kahneman–Tversky optimisation on unpaired desirable/undesirable completions."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    desirable_weight: float = Field(1.0, gt=0, description="λ_D, weight of desirable examples.")
+    undesirable_weight: float = Field(1.0, gt=0, description="λ_U, weight of undesirable examples.")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _kto_shape(self) -> KTOConfig:
+        _pairs_unpacked(self, "kto")
+        if self.minibatch_size < 2:
+            raise ValueError("minibatch_size must be >= 2 for kto (the KL estimate pairs mismatched lines)")
+        return self
+
+
+def _check_plugin_name(value: str, builtins: tuple[str, ...], what: str) -> str:
+    if value in builtins or _PLUGIN_REF.match(value):
+        return value
+    raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(builtins)} or 'module:attr'")
+
+
+class RewardSpec(StrictModel):
+    """One reward function: a built-in name or `module:attr`, with its weight in the sum."""
+
+    name: str = Field(description=f"Built-in ({', '.join(BUILTIN_REWARDS)}) or 'module:attr'.")
+    weight: float = Field(1.0, description="Weight of this reward in the weighted sum.")
+
+    @model_validator(mode="after")
+    def _known(self) -> RewardSpec:
+        _check_plugin_name(self.name, BUILTIN_REWARDS, "reward function")
+        return self
+
+
+class _RLCommon(_TrainCommon):
+    """Shared by GRPO and PPO: sampling, rewards, off-policy control.
+
+    `minibatch_size` counts *prompts* per optimizer step; each prompt gets
+    `num_generations` completions; `gradient_accumulation` splits the step's
+    sequences into that many micro-batches.
+    """
+
+    num_generations: int = Field(8, ge=1, le=4096, description="Completions sampled per prompt (a group).")
+    max_tokens: int = Field(16, ge=1, le=1_048_576, description="Most completion tokens per sample.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    rewards: tuple[RewardSpec, ...] = Field((), description="Reward functions, summed with their weights.")
+    env: str | None = Field(None, description=f"Env scoring completions: {', '.join(BUILTIN_ENVS)} or 'module:attr'.")
+    reward_timeout_s: float = Field(30.0, gt=0, description="Per reward-function call; failures drop samples.")
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer steps per generated batch.")
+    off_policy_steps: Literal[0, 1] = Field(
+        0, description="1: generate the next batch while training on this one (one-step off-policy)."
+    )
+    max_staleness: int = Field(1, ge=0, description="Drop carried samples more than this many versions old.")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="Truncated importance-sampling cap on π_old/π_rollout (None: no correction)."
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _rl_shape(self) -> _RLCommon:
+        if not self.rewards and self.env is None:
+            raise ValueError("set `env` or at least one [[rewards]] entry")
+        if self.env is not None:
+            _check_plugin_name(self.env, BUILTIN_ENVS, "env")
+        if self.packing.kind != "off":
+            raise ValueError('packing.kind must be "off" for RL (max_seq_len bounds prompt + completion)')
+        if self.reference.precompute:
+            raise ValueError("reference.precompute is for offline data; RL samples change every step")
+        return self
+
+
+class GRPOConfig(_RLCommon):
+    """Group relative policy optimisation and its variants (Dr. GRPO, DAPO, GSPO)."""
+
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to the reference (0: no reference model).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's std, the batch's std, or nothing (Dr. GRPO)."
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high (DAPO: 0.28).")
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field("token_mean", description="Loss aggregation.")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="token: GRPO; sequence: GSPO."
+    )
+    dynamic_sampling: bool = Field(False, description="Drop zero-variance groups and over-sample to refill (DAPO).")
+    max_oversample_rounds: int = Field(4, ge=1, description="Extra generation rounds to refill a filtered batch.")
+
+    @model_validator(mode="after")
+    def _groups(self) -> GRPOConfig:
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be >= 2 for grpo (advantages are relative to the group)")
+        return self
+
+
+class PPOConfig(_RLCommon):
+    """PPO with a learned value head, GAE and a KL penalty folded into the reward."""
+
+    num_generations: int = Field(1, ge=1, le=4096, description="Completions sampled per prompt.")
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip.")
+    clip_value: float = Field(0.2, gt=0, description="Value clip around the old values.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    kl_coef: float = Field(0.05, ge=0, description="KL penalty folded into the per-token reward.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch.")
+
+
+class AlgorithmConfig(StrictModel):
+    """`kind` selects the algorithm; its block `[algorithm.<kind>]` holds the settings."""
+
+    kind: AlgorithmKind = Field(description="Algorithm to run.")
+    sft: SFTConfig | None = None
+    rm: RMConfig | None = None
+    dpo: DPOConfig | None = None
+    kto: KTOConfig | None = None
+    grpo: GRPOConfig | None = None
+    ppo: PPOConfig | None = None
+
+    @model_validator(mode="after")
+    def _block_matches_kind(self) -> AlgorithmConfig:
+        present = [k for k in ALGORITHM_KINDS if getattr(self, k) is not None]
+        if self.kind not in present:
+            raise ValueError(f'kind = "{self.kind}" needs an [algorithm.{self.kind}] block')
+        extra = [k for k in present if k != self.kind]
+        if extra:
+            raise ValueError(f'[algorithm.{extra[0]}] does not match kind = "{self.kind}"')
+        return self
+
+    @property
+    def settings(self) -> SFTConfig | RMConfig | DPOConfig | KTOConfig | GRPOConfig | PPOConfig:
+        block = getattr(self, self.kind)
+        assert block is not None  # guaranteed by the validator
+        return block
+
+
+class BackendConfig(StrictModel):
+    """Training backend (SPEC section 7)."""
+
+    kind: Literal["torch", "mock"] = Field("torch", description="torch: real training; mock: no-torch stand-in.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when available.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+
+
+class DistributedConfig(StrictModel):
+    """Scale-out. Only `local` (one process) exists so far; ray and torchrun are planned."""
+
+    kind: Literal["local"] = Field("local", description="local: one process.")
+
+
+class RunConfig(StrictModel):
+    """One training run."""
+
+    schema_version: Literal[1] = Field(description="Config format version; must be 1.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds data order, init and sampling.")
+    name: str | None = Field(None, max_length=200, description="Free-form run name.")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    algorithm: AlgorithmConfig
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    inference: InferenceConfig | None = Field(
+        None, description="Generation engine and sampling (used by infer/serve, and by RL)."
+    )
+
+    def digest(self) -> str:
+        """blake3 of the canonical JSON of the resolved config."""
+        return blake3.blake3(self.canonical_json().encode()).hexdigest()
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------- loading + errors
+
+
+def load_config(path: Path) -> RunConfig:
+    """Read, parse and validate a TOML run config. Raises ConfigError with every violation."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read config: {err}") from None
+    return parse_config(text, source=path)
+
+
+def parse_config(text: str, *, source: Path) -> RunConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: invalid TOML: {err}") from None
+    try:
+        return RunConfig.model_validate(data, context={"base_dir": source.parent.resolve()})
+    except ValidationError as err:
+        messages = format_validation_errors(err, data, text=text, source=source)
+        raise ConfigError(messages[0], details=messages[1:]) from None
+
+
+def format_validation_errors(
+    err: ValidationError, data: Mapping[str, Any], *, text: str | None = None, source: Path | None = None
+) -> list[str]:
+    """One `file:line: dotted.locator: problem` string per violation, in a stable order."""
+    found: set[tuple[int, str, str]] = set()
+    for e in err.errors(include_url=False):
+        keys = _locator_keys(e["loc"], data)
+        locator = ".".join(keys) if keys else "<root>"
+        line = _find_line(text, keys) if text else None
+        found.add((line or 0, locator, _describe(e)))
+    out = []
+    for line, locator, problem in sorted(found):  # document order, then locator: deterministic
+        where = "" if source is None else (f"{source}:{line}: " if line else f"{source}: ")
+        out.append(f"{where}{locator}: {problem}")
+    return out
+
+
+def _locator_keys(loc: Sequence[int | str], data: Any) -> list[str]:
+    """Map pydantic's loc to the user's keys, dropping discriminated-union tags.
+
+    Pydantic inserts the union tag (e.g. 'adamw') into the loc; we walk the
+    user's own data and keep only the segments that really are keys there.
+    """
+    keys: list[str] = []
+    node = data
+    for i, part in enumerate(loc):
+        is_last = i == len(loc) - 1
+        if isinstance(node, Mapping):
+            if part in node:
+                keys.append(str(part))
+                node = node[part]
+                continue
+            if is_last or not isinstance(part, str) or _is_union_tag(node, part):
+                if not _is_union_tag(node, part):
+                    keys.append(str(part))
+                continue
+            keys.append(str(part))  # a missing block: name it and stop descending
+            node = None
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            keys.append(str(part))
+            node = node[part]
+        elif isinstance(part, str) and node is not None and _is_union_tag(node, part):
+            continue
+        else:
+            keys.append(str(part))
+            node = None
+    return keys
+
+
+def _is_union_tag(node: Any, part: int | str) -> bool:
+    return isinstance(node, Mapping) and node.get("kind") == part
+
+
+def _describe(e: Mapping[str, Any]) -> str:
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "missing field"
+    if kind == "union_tag_not_found":
+        return 'missing field "kind"'
+    if kind == "union_tag_invalid":
+        ctx = e.get("ctx", {})
+        return f"unknown kind {ctx.get('tag')!r} (expected one of {ctx.get('expected_tags')})"
+    msg = str(e["msg"])
+    msg = re.sub(r"^(Value error|Assertion failed), ", "", msg)
+    msg = re.sub(r"^Input should be ", "must be ", msg)
+    msg = msg[0].lower() + msg[1:] if msg else msg
+    if kind not in ("value_error", "assertion_error") and not isinstance(e.get("input"), (dict, list)):
+        msg += f" (got {e['input']!r})"
+    return msg
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r'^\s*("?)([A-Za-z0-9_\-.]+)\1\s*=')
+
+
+def _find_line(text: str, keys: Sequence[str]) -> int | None:
+    """Best-effort line number of a locator in the TOML text (1-based)."""
+    if not keys:
+        return None
+    lines = text.splitlines()
+    table: list[str] = []
+    best: tuple[int, int] | None = None  # (matched key count, line)
+    for number, raw in enumerate(lines, start=1):
+        header = _HEADER.match(raw)
+        if header:
+            table = [p.strip().strip('"') for p in header.group(1).split(".")]
+            matched = _prefix_len(table, keys)
+            if matched == len(table) and (best is None or matched > best[0]):
+                best = (matched, number)
+            continue
+        key = _KEY.match(raw)
+        if key:
+            full = table + [p.strip().strip('"') for p in key.group(2).split(".")]
+            matched = _prefix_len(full, keys)
+            if matched == len(full) and (best is None or matched > best[0]):
+                best = (matched, number)
+    return best[1] if best else None
+
+
+def _prefix_len(path: Sequence[str], keys: Sequence[str]) -> int:
+    n = 0
+    for a, b in zip(path, keys, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n

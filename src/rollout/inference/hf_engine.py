@@ -1,0 +1,586 @@
+"""The `hf` engine: transformers models, batched decoding with a KV cache and continuous batching.
+
+    from rollout.inference import SamplingParams, load_hf_engine
+    engine = load_hf_engine("local/models/sft-tiny")                 # CPU, float32
+    [choices] = engine.generate([[{"role": "user", "content": "What is 3+8?"}]],
+                                SamplingParams(temperature=0, max_tokens=8))
+    choices[0].text, choices[0].token_ids, choices[0].logprobs
+
+The decode loop is our own rather than `model.generate`, for two reasons:
+
+- every choice samples from its own `torch.Generator` seeded from (request
+  seed, choice index) (see `sampling.py`), so a seed pins the tokens whether
+  the request runs alone or in a batch; `generate` draws from one global RNG;
+- rows join and leave the running batch between steps (continuous batching):
+  finished rows are dropped from the batch and the KV cache, new requests are
+  prefilled in one forward pass and merged in, left-padded to a common length.
+
+Rows are left-padded; position ids count each row's real tokens, so padding
+never shifts a row's positions and the cache of two batches can be merged by
+left-padding the shorter one. The log-prob of each sampled token is the
+log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.errors import ModelError
+from rollout.inference.detokenize import IncrementalText
+from rollout.inference.sampling import choose_tokens
+from rollout.inference.types import (
+    Completion,
+    FinishReason,
+    GenerationError,
+    GenerationRequest,
+    Prompt,
+    PromptLike,
+    SamplingParams,
+    StateDict,
+    TokenEvent,
+    as_request,
+    derive_seed,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_engine(
+    model_path: str | Path,
+    *,
+    dtype: str = "float32",
+    device: str = "auto",
+    max_batch_size: int = 32,
+    max_model_len: int | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    model_name: str | None = None,
+) -> HFEngine:
+    """Load a causal LM and its tokenizer from a folder (or a hub id when online) into an `HFEngine`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as err:  # transformers raises OSError / ValueError / hub errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"cannot load model from {model_path}: {first}") from None
+    model.to(device).eval()
+    name = model_name or Path(str(model_path)).name or str(model_path)
+    return HFEngine(
+        model, tokenizer, model_name=name, max_batch_size=max_batch_size, max_model_len=max_model_len
+    )
+
+
+class HFEngine:
+    """Generation with a live transformers model (the trainer can share it and push weights)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ModelError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_batch_size = max_batch_size
+        limit = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len, limit) if max_model_len else limit
+        self.device = next(model.parameters()).device
+        self.pad_token_id = _pad_token_id(tokenizer, model)
+        self.eos_token_ids = frozenset(_eos_token_ids(tokenizer, model))
+        self._lock = threading.Lock()  # one forward pass or weight update at a time
+        self._weights_version = 0
+
+    # ----------------------------------------------------------------- protocol
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights_version
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise GenerationError("the prompt is empty")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            if not prompt:
+                raise GenerationError("the message list is empty")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise GenerationError(f"model {self.model_name} has no chat template; send a text prompt")
+            rendered = self.tokenizer.apply_chat_template(
+                [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True
+            )
+            ids = (
+                rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+            )
+        return tuple(int(t) for t in ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def generate(
+        self, requests: Sequence[PromptLike], params: SamplingParams | None = None
+    ) -> list[tuple[Completion, ...]]:
+        """Complete every request; rows join the running batch as others finish.
+
+        Requests without their own params use `params` (default `SamplingParams()`).
+        Every prompt is checked before any decoding starts.
+        """
+        default = params or SamplingParams()
+        reqs: list[GenerationRequest] = []
+        seen: set[int] = set()
+        for r in map(as_request, requests):  # the same request object twice: two separate requests
+            r = replace(r) if id(r) in seen else r
+            seen.add(id(r))
+            reqs.append(r)
+        session = self.open_session()
+        prepared = deque(session.prepare(r, default) for r in reqs)
+        position = {id(r): i for i, r in enumerate(reqs)}
+        results: list[tuple[Completion, ...] | None] = [None] * len(reqs)
+        admit_at = max(1, self.max_batch_size // 4)  # merge joiners in groups: a merge copies the cache
+        while prepared or session.num_rows:
+            free = self.max_batch_size - session.num_rows
+            if prepared and (session.num_rows == 0 or free >= min(admit_at, _rows(prepared))):
+                batch = [prepared.popleft()]
+                free -= batch[0].params.n
+                while prepared and prepared[0].params.n <= free:
+                    free -= prepared[0].params.n
+                    batch.append(prepared.popleft())
+                session.add_prepared(batch)
+            for request, completions in session.step():
+                results[position[id(request)]] = completions
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def open_session(self) -> HFSession:
+        return HFSession(self)
+
+    def update_weights(self, weights: StateDict | str | PathLike[str]) -> int:
+        """Copy new weights into the live model in place (no rebuild); returns the new version.
+
+        `weights` is a state dict (names as in `model.state_dict()`, a subset is
+        fine) or a folder / file of safetensors, e.g. a `save_pretrained` output.
+        It waits for the forward pass in progress; sequences still decoding in
+        another thread continue with the new weights (the server avoids that by
+        draining its batch first, see `serve/batcher.py`).
+        """
+        state = _read_safetensors(Path(weights)) if isinstance(weights, str | PathLike) else weights
+        current = self.model.state_dict()
+        unknown = sorted(k for k in state if k not in current)
+        if unknown:
+            raise ModelError(f"weights do not fit model {self.model_name}: unknown tensors {unknown[:3]}")
+        wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(current[k].shape)]
+        if wrong:
+            k = wrong[0]
+            raise ModelError(
+                f"weights do not fit model {self.model_name}: {k} has shape {tuple(state[k].shape)},"
+                f" expected {tuple(current[k].shape)}"
+            )
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(dict(state), strict=False)
+            self._weights_version += 1
+            return self._weights_version
+
+    def close(self) -> None:
+        """Nothing to release beyond the model itself (garbage collected)."""
+
+
+# --------------------------------------------------------------------------- session
+
+
+@dataclass
+class _Job:
+    """One request: its `n` rows finish independently; it completes when all have."""
+
+    request: GenerationRequest
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+    seed: int
+    completions: list[Completion | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass
+class _Row:
+    job: _Job
+    index: int
+    max_new: int
+    generator: torch.Generator | None
+    text: IncrementalText | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request with its prompt tokenized and checked and its params resolved."""
+
+    request: GenerationRequest
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+
+
+class HFSession:
+    """The running batch: rows, their KV cache, attention mask and per-row sampling settings."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.cache: Any = None  # transformers DynamicCache, batch-aligned with self.rows
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=engine.device)  # (rows, cache_len)
+        self.next_tokens = torch.zeros(0, dtype=torch.long, device=engine.device)  # fed at the next step
+        self.positions = torch.zeros(0, dtype=torch.long, device=engine.device)  # next position id per row
+        self.temperature = torch.zeros(0, device=engine.device)
+        self.top_k = torch.zeros(0, dtype=torch.long, device=engine.device)
+        self.top_p = torch.zeros(0, device=engine.device)
+        self.finished: list[tuple[GenerationRequest, tuple[Completion, ...]]] = []
+        self.waiting: deque[list[PreparedRequest]] = deque()  # only for caches that can't be merged
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows) + sum(p.params.n for batch in self.waiting for p in batch)
+
+    def prepare(self, request: GenerationRequest, default: SamplingParams) -> PreparedRequest:
+        """Tokenize and check one request (raises `GenerationError` for a prompt that can't run)."""
+        params = request.params or default
+        ids = (
+            request.prompt_token_ids
+            if request.prompt_token_ids is not None
+            else self.engine.tokenize(request.prompt)
+        )  # type: ignore[arg-type]
+        if not ids:
+            raise GenerationError("the prompt has no tokens")
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise GenerationError(f"the prompt has {len(ids)} tokens; this model takes at most {limit - 1}")
+        vocab = self.engine.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise GenerationError(f"prompt token ids must be in [0, {vocab})")
+        return PreparedRequest(request, params, ids)
+
+    def add(self, requests: Sequence[GenerationRequest], default: SamplingParams | None = None) -> None:
+        prepared = [self.prepare(r, default or SamplingParams()) for r in requests]
+        self.add_prepared(prepared)
+
+    def add_prepared(self, prepared: Sequence[PreparedRequest]) -> None:
+        """Prefill the prompts in one forward pass, sample each row's first token, merge into the batch."""
+        if not prepared:
+            return
+        if self.rows and not _mergeable(self.cache):
+            self.waiting.append(list(prepared))
+            return
+        rows = [row for p in prepared for row in self._make_rows(p)]
+        prompts = [r.job.prompt_ids for r in rows]
+        width = max(len(p) for p in prompts)
+        device = self.engine.device
+        ids = torch.full((len(rows), width), self.engine.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache, logits = self._forward(ids, mask, positions, cache=None)
+        new = _BatchState(
+            cache=cache,
+            mask=mask,
+            positions=mask.sum(-1),
+            temperature=torch.tensor([r.job.params.temperature for r in rows], device=device),
+            top_k=torch.tensor([r.job.params.top_k for r in rows], dtype=torch.long, device=device),
+            top_p=torch.tensor([r.job.params.top_p for r in rows], device=device),
+        )
+        self._merge(rows, new)
+        self._advance(logits, first=len(self.rows) - len(rows))
+
+    def step(self) -> list[tuple[GenerationRequest, tuple[Completion, ...]]]:
+        """One decode step for every row; returns the requests whose choices have all finished."""
+        self._drop_cancelled()
+        if not self.rows and self.waiting:
+            self.add_prepared(self.waiting.popleft())
+        if self.rows:
+            ones = torch.ones((len(self.rows), 1), dtype=torch.long, device=self.engine.device)
+            self.mask = torch.cat([self.mask, ones], dim=1)
+            self.cache, logits = self._forward(
+                self.next_tokens.unsqueeze(-1), self.mask, self.positions.unsqueeze(-1), cache=self.cache
+            )
+            self.positions = self.positions + 1
+            self._advance(logits, first=0)
+        done, self.finished = self.finished, []
+        return done
+
+    # ----------------------------------------------------------------- internals
+
+    def _make_rows(self, prepared: PreparedRequest) -> list[_Row]:
+        params, request = prepared.params, prepared.request
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        job = _Job(request, params, prepared.prompt_ids, seed, [None] * params.n, params.n)
+        needs_text = bool(params.stop) or request.on_token is not None
+        max_new = min(params.max_tokens, self.engine.max_model_len - len(prepared.prompt_ids))
+        rows = []
+        for j in range(params.n):
+            generator = None
+            if not params.greedy:
+                generator = torch.Generator(device=self.engine.device)
+                generator.manual_seed(derive_seed(seed, j))
+            text = IncrementalText(self.engine.tokenizer, params.stop) if needs_text else None
+            top = [] if params.top_logprobs else None
+            rows.append(_Row(job, j, max_new, generator, text, top=top))
+        return rows
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, cache: Any
+    ) -> tuple[Any, torch.Tensor]:
+        """Logits (rows, vocab) of the last position, float32; the updated cache."""
+        from transformers import DynamicCache
+
+        if cache is None:
+            cache = DynamicCache(config=self.engine.model.config)
+        with self.engine._lock, torch.inference_mode():
+            out = self.engine.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.past_key_values, out.logits[:, -1, :].float()
+
+    def _advance(self, logits: torch.Tensor, *, first: int) -> None:
+        """Sample the next token of rows[first:] (whose logits these are), record it, retire finished rows."""
+        rows = self.rows[first:]
+        sl = slice(first, None)
+        with torch.inference_mode():
+            logprobs_all = logits.log_softmax(dim=-1)
+            tokens = choose_tokens(
+                logits, self.temperature[sl], self.top_k[sl], self.top_p[sl], [r.generator for r in rows]
+            )
+            chosen = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            k = max((r.job.params.top_logprobs for r in rows), default=0)
+            top_values, top_ids = logprobs_all.topk(k, dim=-1) if k else (None, None)
+        self.next_tokens = torch.cat([self.next_tokens[:first], tokens])
+        token_list, logprob_list = tokens.tolist(), chosen.tolist()
+        top_pairs = (
+            [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+            if top_ids is not None and top_values is not None
+            else None
+        )
+        keep = list(range(first))
+        eos = self.engine.eos_token_ids
+        for i, (row, token, logprob) in enumerate(zip(rows, token_list, logprob_list, strict=True)):
+            params = row.job.params
+            row.token_ids.append(token)
+            row.logprobs.append(logprob)
+            top = (
+                tuple(top_pairs[i][: params.top_logprobs])
+                if top_pairs is not None and params.top_logprobs
+                else ()
+            )
+            if row.top is not None:
+                row.top.append(top)
+            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                row.finish_reason = "stop"
+            if row.text is not None:
+                row.text.push(token)
+                if row.text.stopped:
+                    row.finish_reason = "stop"
+            if row.finish_reason is None and len(row.token_ids) >= row.max_new:
+                row.finish_reason = "length"
+            if row.job.request.on_token is not None:
+                assert row.text is not None
+                if row.finish_reason is not None:
+                    row.text.finish()
+                new_text = row.text.take_new_text(final=row.finish_reason is not None)
+                row.job.request.on_token(
+                    TokenEvent(row.index, token, logprob, top, new_text, row.finish_reason)
+                )
+            if row.finish_reason is None:
+                keep.append(first + i)
+            else:
+                self._retire(row)
+        if len(keep) < len(self.rows):
+            self._select(keep)
+
+    def _retire(self, row: _Row) -> None:
+        job = row.job
+        if row.text is not None:
+            row.text.finish()
+            text = row.text.text
+        else:
+            text = self.engine.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        job.completions[row.index] = Completion(
+            index=row.index,
+            text=text,
+            token_ids=tuple(row.token_ids),
+            logprobs=tuple(row.logprobs),
+            finish_reason=row.finish_reason or "stop",
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=len(row.token_ids),
+            prompt_token_ids=job.prompt_ids,
+            top_logprobs=tuple(row.top) if row.top is not None else None,
+            weights_version=self.engine.weights_version,
+        )
+        job.remaining -= 1
+        if job.remaining == 0:
+            completions = tuple(c for c in job.completions if c is not None)
+            if job.request.on_finish is not None:
+                job.request.on_finish(completions)
+            self.finished.append((job.request, completions))
+
+    def _drop_cancelled(self) -> None:
+        cancelled = [
+            i
+            for i, r in enumerate(self.rows)
+            if r.job.request.cancel is not None and r.job.request.cancel.is_set()
+        ]
+        if not cancelled:
+            return
+        for i in cancelled:
+            self.rows[i].finish_reason = "cancelled"
+            self._retire(self.rows[i])
+        gone = set(cancelled)
+        self._select([i for i in range(len(self.rows)) if i not in gone])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only these rows (in this order) in every per-row tensor and the cache; trim dead columns."""
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+            self.mask = self.mask[:0, :0]
+            for name in ("next_tokens", "positions", "temperature", "top_k", "top_p"):
+                setattr(self, name, getattr(self, name)[:0])
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        for name in ("mask", "next_tokens", "positions", "temperature", "top_k", "top_p"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        dead = (
+            int(self.mask.any(dim=0).long().argmax()) if _mergeable(self.cache) else 0
+        )  # leading pad-only columns
+        self.mask = self.mask[:, dead:]
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, index)[:, :, dead:, :]
+                layer.values = layer.values.index_select(0, index)[:, :, dead:, :]
+
+    def _merge(self, rows: list[_Row], new: _BatchState) -> None:
+        """Append rows with their fresh cache to the running batch, left-padding the shorter side."""
+        if not self.rows:
+            self.rows = list(rows)
+            self.cache, self.mask, self.positions = new.cache, new.mask, new.positions
+            self.temperature, self.top_k, self.top_p = new.temperature, new.top_k, new.top_p
+            self.next_tokens = self.next_tokens[:0]
+            return
+        old_len, new_len = self.mask.shape[1], new.mask.shape[1]
+        width = max(old_len, new_len)
+        self.mask = torch.cat(
+            [_left_pad(self.mask, width - old_len, 1), _left_pad(new.mask, width - new_len, 1)]
+        )
+        for old_layer, new_layer in zip(self.cache.layers, new.cache.layers, strict=True):
+            old_layer.keys = torch.cat(
+                [_left_pad(old_layer.keys, width - old_len, 2), _left_pad(new_layer.keys, width - new_len, 2)]
+            )
+            old_layer.values = torch.cat(
+                [
+                    _left_pad(old_layer.values, width - old_len, 2),
+                    _left_pad(new_layer.values, width - new_len, 2),
+                ]
+            )
+        self.positions = torch.cat([self.positions, new.positions])
+        self.temperature = torch.cat([self.temperature, new.temperature])
+        self.top_k = torch.cat([self.top_k, new.top_k])
+        self.top_p = torch.cat([self.top_p, new.top_p])
+        self.rows.extend(rows)
+
+
+@dataclass
+class _BatchState:
+    cache: Any
+    mask: torch.Tensor
+    positions: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+
+def _rows(prepared: deque[PreparedRequest]) -> int:
+    return sum(p.params.n for p in prepared)
+
+
+def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
+
+
+def _mergeable(cache: Any) -> bool:
+    """Only plain full-attention dynamic layers can be padded and concatenated along the batch."""
+    from transformers.cache_utils import DynamicLayer
+
+    return cache is not None and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _pad_token_id(tokenizer: Any, model: Any) -> int:
+    for candidate in (
+        tokenizer.pad_token_id,
+        getattr(model.config, "pad_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _eos_token_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (
+        tokenizer.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(t) for t in source)
+    return ids
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ModelError(f"no safetensors weights at {path}")
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for f in files:
+            state.update(load_file(str(f)))
+    except Exception as err:  # safetensors raises its own error types for bad files
+        raise ModelError(f"cannot read weights from {f}: {err}") from None
+    return state

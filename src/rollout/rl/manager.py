@@ -1,0 +1,355 @@
+"""`RolloutManager`: draw prompts, generate groups, score them, filter, and hand the learner a batch.
+
+    manager = RolloutManager(engine, rows, DataBuffer(len(rows), seed=0),
+                             reward_fns=[("correct", arithmetic_correct, 1.0)],
+                             num_generations=8, prompts_per_batch=16,
+                             sampling=SamplingParams(temperature=1.0, max_tokens=32), seed=0,
+                             dynamic_filtering=True)
+    batch = await manager.next_batch(policy_version=step)      # a RolloutBatch of 16 groups
+    state = manager.state_dict()                                # JSON: cursor, group counter, carried groups
+
+One call runs rounds. A round draws `k` rows from the buffer; each row becomes
+a group with a fresh `group_id` and one request for `num_generations` choices
+seeded by `derive_seed(seed, group_id)`. All requests of a round go to the
+engine in one `generate` call (in a worker thread; the engine batches), then
+every reward function scores the round's completions at once (`score_batch`).
+
+Failures are data: a sample whose reward failed or abstained everywhere is
+kept in its group with status "dropped". A group is usable when it has at
+least one ok sample; under `dynamic_filtering` (DAPO, Yu et al. 2025,
+arXiv:2503.14476) it also needs >= 2 ok samples whose rewards are not all
+equal (zero-variance groups carry no GRPO advantage). Rounds continue while
+the batch is short, at most `1 + max_oversample_rounds` rounds per call;
+over-sampling rounds draw `missing / keep_rate` rows (keep rate of this call
+so far, at most 4x), so they may overshoot: the extra usable groups are
+carried to the next call (in the state), and dropped there if their policy
+version is more than `max_staleness` behind. A batch can come back short or
+empty when the rounds run out (event "batch_short").
+
+Determinism: the samples depend only on the engine's weights, `seed`, the
+sampling params and the state (buffer cursor, group counter, carried groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rollout.errors import ConfigError
+from rollout.inference.types import (
+    Completion,
+    GenerationRequest,
+    InferenceEngine,
+    Prompt,
+    SamplingParams,
+    derive_seed,
+)
+from rollout.rl.buffer import DataBuffer
+from rollout.rl.rewards import score_batch
+from rollout.rl.types import EventHook, RewardSpec, RolloutBatch, Sample
+
+STATE_VERSION = 1
+MAX_OVERSAMPLE_FACTOR = 4
+Group = tuple[Sample, ...]
+
+
+@dataclass
+class _CallStats:
+    """What one `next_batch` call did (turned into metrics at the end)."""
+
+    rounds: int = 0
+    groups_generated: int = 0
+    groups_kept: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    samples_dropped: int = 0
+    stale_groups: int = 0
+    generation_s: float = 0.0
+    tokens: int = 0
+    carried_in: int = 0
+
+
+class RolloutManager:
+    """Produces `RolloutBatch`es of scored groups from an engine, a dataset and reward functions."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        rows: Sequence[Mapping[str, Any]],
+        buffer: DataBuffer,
+        *,
+        reward_fns: Sequence[RewardSpec],
+        num_generations: int,
+        prompts_per_batch: int,
+        sampling: SamplingParams,
+        seed: int,
+        dynamic_filtering: bool = False,
+        max_oversample_rounds: int = 4,
+        max_staleness: int = 0,
+        reward_timeout_s: float = 30.0,
+        on_event: EventHook | None = None,
+    ) -> None:
+        problems = []
+        if buffer.num_rows != len(rows):
+            problems.append(f"the data buffer has {buffer.num_rows} rows but the dataset has {len(rows)}")
+        if not reward_fns:
+            problems.append("at least one reward function is needed")
+        names = [name for name, _, _ in reward_fns]
+        if len(set(names)) != len(names):
+            problems.append(f"reward function names must be unique, got {names}")
+        if any(not math.isfinite(w) for _, _, w in reward_fns):
+            problems.append("reward weights must be finite numbers")
+        if num_generations < 1:
+            problems.append(f"num_generations must be >= 1, got {num_generations}")
+        if dynamic_filtering and num_generations < 2:
+            problems.append(
+                "dynamic_filtering needs num_generations >= 2 (it keeps groups with reward variance)"
+            )
+        if prompts_per_batch < 1:
+            problems.append(f"prompts_per_batch must be >= 1, got {prompts_per_batch}")
+        if max_oversample_rounds < 0:
+            problems.append(f"max_oversample_rounds must be >= 0, got {max_oversample_rounds}")
+        if max_staleness < 0:
+            problems.append(f"max_staleness must be >= 0, got {max_staleness}")
+        if not reward_timeout_s > 0:
+            problems.append(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
+        if problems:
+            raise ConfigError(f"invalid rollout settings: {problems[0]}", details=problems[1:])
+        self.engine = engine
+        self.rows = rows
+        self.buffer = buffer
+        self.reward_fns = tuple(reward_fns)
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.sampling = sampling
+        self.seed = seed
+        self.dynamic_filtering = dynamic_filtering
+        self.max_oversample_rounds = max_oversample_rounds
+        self.max_staleness = max_staleness
+        self.reward_timeout_s = reward_timeout_s
+        self.on_event = on_event
+        self._next_group_id = 0
+        self._carried: list[Group] = []
+        self._totals: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------------ batches
+
+    async def next_batch(self, policy_version: int) -> RolloutBatch:
+        """The next `prompts_per_batch` usable groups (fewer only when the rounds run out)."""
+        stats = _CallStats()
+        ready = self._take_fresh_carried(policy_version, stats)
+        while len(ready) < self.prompts_per_batch and stats.rounds <= self.max_oversample_rounds:
+            missing = self.prompts_per_batch - len(ready)
+            groups = await self._run_round(self._round_size(missing, stats), policy_version, stats)
+            for group in groups:
+                reason = self._reject_reason(group)
+                if reason is None:
+                    ready.append(group)
+                    stats.groups_kept += 1
+                else:
+                    stats.rejected[reason] += 1
+        batch_groups, self._carried = ready[: self.prompts_per_batch], ready[self.prompts_per_batch :]
+        self._report(stats, len(batch_groups))
+        samples = tuple(s for g in batch_groups for s in g)
+        return RolloutBatch(
+            samples=samples,
+            num_prompts=len(batch_groups),
+            policy_version=min((s.policy_version for s in samples), default=policy_version),
+            metrics=self._metrics(samples, stats),
+        )
+
+    def _take_fresh_carried(self, policy_version: int, stats: _CallStats) -> list[Group]:
+        fresh = [g for g in self._carried if policy_version - g[0].policy_version <= self.max_staleness]
+        stats.stale_groups = len(self._carried) - len(fresh)
+        stats.carried_in = len(fresh)
+        self._carried = []
+        if stats.stale_groups:
+            self._emit("stale_dropped", {"groups": stats.stale_groups, "policy_version": policy_version})
+        return fresh
+
+    def _round_size(self, missing: int, stats: _CallStats) -> int:
+        """Rows to draw: what's missing, scaled up by this call's observed keep rate after round one."""
+        if stats.groups_generated == 0:
+            return missing
+        keep_rate = max(stats.groups_kept / stats.groups_generated, 1 / MAX_OVERSAMPLE_FACTOR)
+        return math.ceil(missing / keep_rate)
+
+    def _reject_reason(self, group: Group) -> str | None:
+        ok_rewards = [s.reward for s in group if s.reward is not None]
+        if not ok_rewards:
+            return "all_dropped"
+        if self.dynamic_filtering:
+            if len(ok_rewards) < 2:
+                return "too_few_ok"
+            if max(ok_rewards) == min(ok_rewards):
+                return "zero_std"
+        return None
+
+    async def _run_round(self, k: int, policy_version: int, stats: _CallStats) -> list[Group]:
+        """Draw `k` rows, generate one group each in a single engine call, score, build samples."""
+        indices = self.buffer.take(k)
+        group_ids = list(range(self._next_group_id, self._next_group_id + k))
+        self._next_group_id += k
+        requests = [
+            GenerationRequest(
+                prompt=_prompt_of(self.rows[i]),
+                params=replace(self.sampling, n=self.num_generations, seed=derive_seed(self.seed, gid)),
+            )
+            for i, gid in zip(indices, group_ids, strict=True)
+        ]
+        started = time.perf_counter()
+        outputs: list[tuple[Completion, ...]] = await asyncio.to_thread(self.engine.generate, requests)
+        stats.generation_s += time.perf_counter() - started
+        stats.rounds += 1
+        stats.groups_generated += k
+
+        flat = [
+            (i, gid, c) for i, gid, choices in zip(indices, group_ids, outputs, strict=True) for c in choices
+        ]
+        stats.tokens += sum(len(c.token_ids) for _, _, c in flat)
+        field_names = sorted({key for i in set(indices) for key in self.rows[i] if key != "prompt"})
+        rewards, components, failures = await score_batch(
+            self.reward_fns,
+            [_prompt_of(self.rows[i]) for i, _, _ in flat],
+            [c.text for _, _, c in flat],
+            {name: [self.rows[i].get(name) for i, _, _ in flat] for name in field_names},
+            timeout_s=self.reward_timeout_s,
+        )
+        samples = [
+            _make_sample(self.rows[i], i, gid, c, reward, parts, failure, policy_version)
+            for (i, gid, c), reward, parts, failure in zip(flat, rewards, components, failures, strict=True)
+        ]
+        dropped = Counter(s.drop_reason for s in samples if not s.ok)
+        if dropped:
+            count = sum(dropped.values())
+            stats.samples_dropped += count
+            self._emit(
+                "samples_dropped",
+                {"count": count, "reasons": dict(dropped), "policy_version": policy_version},
+            )
+        groups: dict[int, list[Sample]] = {}
+        for sample in samples:
+            groups.setdefault(sample.group_id, []).append(sample)
+        return [tuple(groups[gid]) for gid in group_ids]
+
+    # ------------------------------------------------------------------------ reporting
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(event, fields)
+
+    def _report(self, stats: _CallStats, batch_groups: int) -> None:
+        self._totals.update(
+            batches=1,
+            groups_generated=stats.groups_generated,
+            groups_rejected=sum(stats.rejected.values()),
+            samples_dropped=stats.samples_dropped,
+            stale_groups=stats.stale_groups,
+        )
+        if stats.rejected:
+            self._emit("groups_filtered", {"count": sum(stats.rejected.values()), **stats.rejected})
+        if batch_groups < self.prompts_per_batch:
+            self._emit(
+                "batch_short",
+                {"groups": batch_groups, "wanted": self.prompts_per_batch, "rounds": stats.rounds},
+            )
+
+    def _metrics(self, samples: tuple[Sample, ...], stats: _CallStats) -> dict[str, float]:
+        ok = [s for s in samples if s.ok]
+        rewards = [s.reward for s in ok if s.reward is not None]
+        metrics: dict[str, float] = {
+            "rollout/groups": float(len({s.group_id for s in samples})),
+            "rollout/samples": float(len(samples)),
+            "rollout/dropped": float(stats.samples_dropped),
+            "rollout/stale_dropped": float(stats.stale_groups),
+            "rollout/filtered_groups_frac": (
+                sum(stats.rejected.values()) / stats.groups_generated if stats.groups_generated else 0.0
+            ),
+            "rollout/rounds": float(stats.rounds),
+            "rollout/carried_in": float(stats.carried_in),
+            "rollout/carried_out": float(len(self._carried)),
+            "rollout/generation_s": stats.generation_s,
+            "rollout/tokens": float(stats.tokens),
+        }
+        if samples:
+            metrics["rollout/completion_len_mean"] = statistics.fmean(
+                len(s.completion_token_ids) for s in samples
+            )
+            metrics["rollout/truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(
+                samples
+            )
+        if rewards:
+            metrics["rollout/reward_mean"] = statistics.fmean(rewards)
+            metrics["rollout/reward_std"] = statistics.pstdev(rewards)
+        for name, _, _ in self.reward_fns:
+            values = [v for s in ok if (v := s.reward_components.get(name)) is not None]
+            if values:
+                metrics[f"rollout/reward/{name}"] = statistics.fmean(values)
+        return metrics
+
+    # ------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the buffer cursor, the group counter, the carried groups and running totals."""
+        return {
+            "version": STATE_VERSION,
+            "buffer": self.buffer.state_dict(),
+            "next_group_id": self._next_group_id,
+            "carried": [[s.to_dict() for s in group] for group in self._carried],
+            "totals": dict(self._totals),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"rollout manager state has version {state.get('version')!r}; this code reads {STATE_VERSION}"
+            )
+        self.buffer.load_state_dict(dict(state["buffer"]))
+        self._next_group_id = int(state["next_group_id"])
+        self._carried = [tuple(Sample.from_dict(s) for s in group) for group in state["carried"]]
+        self._totals = Counter({k: int(v) for k, v in state["totals"].items()})
+
+    @property
+    def totals(self) -> Mapping[str, int]:
+        """Counts since the start of the run (saved in the state): batches, groups, drops."""
+        return dict(self._totals)
+
+
+def _prompt_of(row: Mapping[str, Any]) -> Prompt:
+    return row["prompt"]
+
+
+def _make_sample(
+    row: Mapping[str, Any],
+    index: int,
+    group_id: int,
+    completion: Completion,
+    reward: float | None,
+    components: dict[str, float | None],
+    failure: str | None,
+    policy_version: int,
+) -> Sample:
+    drop_reason = (
+        failure if failure is not None else None if reward is not None else "all reward functions abstained"
+    )
+    return Sample(
+        prompt_index=index,
+        group_id=group_id,
+        prompt=row["prompt"],
+        prompt_token_ids=completion.prompt_token_ids,
+        completion_token_ids=completion.token_ids,
+        completion_text=completion.text,
+        rollout_logprobs=completion.logprobs,
+        finish_reason=completion.finish_reason,
+        reward=reward,
+        reward_components=components,
+        status="ok" if reward is not None else "dropped",
+        policy_version=policy_version,
+        metadata={k: v for k, v in row.items() if k != "prompt"},
+        drop_reason=drop_reason,
+    )

@@ -1,0 +1,13 @@
+"""Reward functions loaded by the RL tests through `module:attr`."""
+
+from __future__ import annotations
+
+CALLS = {"n": 0}
+
+
+def flaky_reward(prompts, completions, **fields):
+    """Raises on its 1st and 3rd call (a whole generation round), scores 1.0 otherwise."""
+    CALLS["n"] += 1
+    if CALLS["n"] in (1, 3):
+        raise RuntimeError("scorer backend unavailable")
+    return [1.0 if "1" in c else 0.0 for c in completions]

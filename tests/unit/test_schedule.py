@@ -1,0 +1,32 @@
+import math
+
+import pytest
+import torch
+
+from rollout.backends.torch_backend import lr_multiplier, make_lr_schedule, make_optimizer
+
+
+def test_warmup_is_linear_and_never_zero():
+    got = [lr_multiplier(i, kind="constant", warmup_steps=3, total_steps=10, min_lr_ratio=0.0) for i in range(5)]
+    assert got == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cosine_and_linear_decay_to_min_ratio():
+    kw = dict(warmup_steps=0, total_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(0, kind="cosine", **kw) == pytest.approx(1.0)
+    assert lr_multiplier(5, kind="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_multiplier(10, kind="cosine", **kw) == pytest.approx(0.1)
+    assert lr_multiplier(5, kind="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_multiplier(50, kind="linear", **kw) == pytest.approx(0.1)
+
+
+def test_lambda_schedule_drives_the_optimizer_lr():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = make_optimizer([p], kind="sgd", lr=0.2)
+    sched = make_lr_schedule(opt, lambda i: lr_multiplier(i, kind="linear", warmup_steps=1, total_steps=3, min_lr_ratio=0.0))
+    lrs = []
+    for _ in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.1, 0.2, 0.1])
