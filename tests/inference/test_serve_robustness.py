@@ -210,7 +210,10 @@ def test_client_disconnect_frees_its_slot(engine: HFEngine) -> None:
 
 
 def test_flooding_past_the_queue_gets_503_with_retry_after(engine: HFEngine) -> None:
-    live = start_server(engine, model_name="tiny", max_batch_size=1, max_queue=2, gather_window_s=0)
+    # >= 10 ms a step, so the queue surely fills however fast the machine
+    live = start_server(
+        _ThrottledEngine(engine, 0.01), model_name="tiny", max_batch_size=1, max_queue=2, gather_window_s=0
+    )
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 24, "ignore_eos": True}
     try:
         with httpx.Client(base_url=live.root, timeout=60, limits=httpx.Limits(max_connections=32)) as http:
