@@ -11,3 +11,8 @@ def flaky_reward(prompts, completions, **fields):
     if CALLS["n"] in (1, 3):
         raise RuntimeError("scorer backend unavailable")
     return [1.0 if "1" in c else 0.0 for c in completions]
+
+
+def text_length(prompts, completions, **fields):
+    """Longer text scores higher: a signal even an untrained model's samples vary on."""
+    return [len(c) / 10 for c in completions]

@@ -8,7 +8,7 @@ import torch
 from rollout.data.collate import collate_packed, collate_padded, collate_pairs
 from rollout.data.packing import Segment
 from rollout.data.tokenize import TokenizedPair, TokenizedSample
-from rollout.losses.logps import _decoder_and_head, completion_logps, sequence_logps
+from rollout.losses.logps import completion_logps, decoder_and_head, sequence_logps
 
 PAD = 0
 # Prompts and answers of different lengths so rows are right-padded differently.
@@ -96,7 +96,7 @@ def test_right_padding_does_not_change_the_result(model):
 
 def test_gathered_lm_head_equals_full_logits(model):
     batch, _ = collate_pairs(PAIRS, PAD)
-    assert _decoder_and_head(model) is not None
+    assert decoder_and_head(model) is not None
     with torch.no_grad():
         full, full_counts = sequence_logps(model, batch, gather_lm_head=False)
         gathered, counts = sequence_logps(model, batch)
@@ -118,7 +118,7 @@ def test_gathered_lm_head_gradients_match_full_logits(model):
 
 def test_models_that_transform_their_logits_use_the_full_forward(model, monkeypatch):
     monkeypatch.setattr(model.config, "final_logit_softcapping", 30.0, raising=False)
-    assert _decoder_and_head(model) is None
+    assert decoder_and_head(model) is None
 
 
 def test_peft_wrapped_model(model):
@@ -129,7 +129,7 @@ def test_peft_wrapped_model(model):
         copy.deepcopy(model),
         peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     ).eval()
-    assert _decoder_and_head(lora) is not None
+    assert decoder_and_head(lora) is not None
     batch, _ = collate_pairs(PAIRS, PAD)
     with torch.no_grad():
         full, _ = sequence_logps(lora, batch, gather_lm_head=False)

@@ -37,13 +37,9 @@ from rollout.algorithms.common import (
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
-    frozen_token_logps,
-    place_completion_values,
     require_samples,
     resolve_reward_specs,
-    sample_sequences,
     snapshot_rl,
-    token_logps,
 )
 from rollout.config import GRPOConfig, RunConfig
 from rollout.errors import AlgorithmError
@@ -51,11 +47,11 @@ from rollout.errors import AlgorithmError
 
 @dataclass(frozen=True)
 class GRPOBatch:
-    tokens: Any  # TokenBatch: prompt + completion rows
+    rows: Any  # PrefixBatch: each prompt once, its completions on top (completion-major columns)
     advantages: Any  # [B]
-    old_logps: Any  # [B, T] or None (on-policy first iteration: the detached current log-probs)
-    ref_logps: Any  # [B, T] or None
-    rollout_logps: Any  # [B, T] engine log-probs at completion positions
+    old_logps: Any  # [B, Lc] or None (on-policy first iteration: the detached current log-probs)
+    ref_logps: Any  # [B, Lc] or None
+    rollout_logps: Any  # [B, Lc] the engine's log-probs of the sampled tokens
 
 
 def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
@@ -65,11 +61,11 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
     from rollout.losses.grpo import grpo_loss
+    from rollout.losses.prefix import prefix_logps
 
     def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
-        logps, entropy = token_logps(model, batch.tokens, with_entropy=True)
-        mask = batch.tokens.loss_mask.clone()
-        mask[:, 0] = False
+        logps, entropy = prefix_logps(model, batch.rows, with_entropy=True)
+        mask = batch.rows.completion_mask
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         loss, metrics = grpo_loss(
             logps, old, batch.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high, beta=s.beta,
@@ -86,11 +82,11 @@ def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
 async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     import torch
 
-    from rollout.backends.torch_backend import move_to, pick_device
-    from rollout.data.collate import collate_padded
+    from rollout.backends.torch_backend import pick_device
     from rollout.data.jsonl import read_rows
     from rollout.inference.types import SamplingParams
     from rollout.losses.grpo import compute_group_advantages, grpo_normalizer
+    from rollout.losses.prefix import collate_prefix, frozen_prefix_logps, pad_rows
     from rollout.rl.buffer import DataBuffer
     from rollout.rl.manager import RolloutManager
 
@@ -164,21 +160,20 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     rewards, torch.tensor([x.group_id for x in samples]), scale_rewards=s.scale_rewards
                 )
                 # ---- micro-batches with their fixed inputs
-                seqs = sample_sequences(samples)
-                chunks = [list(range(len(seqs)))[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)]
+                chunks = [list(range(len(samples)))[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)]
                 chunks = [c for c in chunks if c]
                 stale = s.num_iterations > 1 or batch.policy_version != version
                 micro = []
                 for idx in chunks:
-                    tokens = move_to(collate_padded([seqs[i] for i in idx], pad_id), device)
-                    width = tokens.input_ids.shape[1]
-                    rollout = place_completion_values(
-                        [samples[i] for i in idx], [samples[i].rollout_logprobs for i in idx], width
-                    ).to(device)
-                    old = frozen_token_logps(model, tokens) if stale else None
-                    ref = frozen_token_logps(ref_model, tokens, adapter_disabled=ref_adapter) if ref_model is not None else None
-                    micro.append(GRPOBatch(tokens, advantages[idx].to(device), old, ref, rollout))
-                normalizer = grpo_normalizer(s.loss_agg, [m.tokens.loss_mask[:, 1:] for m in micro], s.max_tokens)
+                    rows = collate_prefix([samples[i].prompt_token_ids for i in idx],
+                                          [samples[i].completion_token_ids for i in idx], pad_id).to(device)
+                    rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
+                                       rows.completion_ids.shape[1]).to(device)
+                    old = frozen_prefix_logps(model, rows) if stale else None
+                    ref = (frozen_prefix_logps(ref_model, rows, adapter_disabled=ref_adapter)
+                           if ref_model is not None else None)
+                    micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref, rollout))
+                normalizer = grpo_normalizer(s.loss_agg, [m.rows.completion_mask for m in micro], s.max_tokens)
                 # ---- train: num_iterations optimizer steps on this batch
                 loss_fn = make_grpo_loss_fn(s, normalizer)
                 for _ in range(s.num_iterations):
@@ -191,7 +186,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                             agg[k] = max(agg.get(k, v), v) if k == "ratio_max" else agg.get(k, 0.0) + v
                     result = await backend.optim_step()
                     loop.step += 1
-                    step_tokens = sum(int(m.tokens.attention_mask.sum()) for m in micro)
+                    step_tokens = sum(m.rows.num_row_tokens for m in micro)
                     loop.tokens_seen += step_tokens
                     n_tok = max(1.0, agg["num_tokens"])
                     last = {
@@ -219,6 +214,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 if every and loop.step < total_steps and loop.step // every > (loop.step - s.num_iterations) // every:
                     await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
         await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
+        await source.finish(backend.export_weights, version)
     finally:
         await source.close()
         engine.close()

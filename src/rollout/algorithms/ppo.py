@@ -19,7 +19,6 @@ and value train together under one optimizer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,12 +42,9 @@ from rollout.algorithms.common import (
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
-    frozen_token_logps,
     require_samples,
     resolve_reward_specs,
-    sample_sequences,
     snapshot_rl,
-    token_logps,
 )
 from rollout.config import PPOConfig, RunConfig
 from rollout.errors import AlgorithmError
@@ -58,8 +54,7 @@ POLICY = "policy."
 
 @dataclass(frozen=True)
 class PPOBatch:
-    tokens: Any
-    mask: Any  # [B, T] completion tokens
+    rows: Any  # PrefixBatch: each prompt once, completions on top; [B, Lc] tensors are completion-major
     old_logps: Any
     old_values: Any
     advantages: Any
@@ -82,49 +77,28 @@ def _policy_and_value(policy: Any, value: Any) -> Any:
     return PolicyAndValue()
 
 
-def token_values(value_model: Any, tokens: Any) -> Any:
-    """[B, T]: position t holds V(prefix < t), the value before generating token t."""
-    import torch
+def prefix_values(value_model: Any, rows: Any) -> Any:
+    """[B, Lc]: column j holds V(prompt, completion < j), the value before completion token j."""
+    from rollout.losses.prefix import prefix_outputs
 
     base = hf_model(value_model)
-    hidden = base.base_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
-    v = base.score(hidden).squeeze(-1).float()
-    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
-
-
-def completion_major(x: Any, mask: Any) -> tuple[Any, Any, Any]:
-    """Move each row's completion tokens to the front: ([B, Tc] values, [B, Tc] mask, index)."""
-    import torch
-
-    lengths = mask.sum(1)
-    starts = mask.float().argmax(1)
-    width = int(lengths.max())
-    offs = torch.arange(width, device=x.device)
-    cmask = offs[None, :] < lengths[:, None]
-    index = (starts[:, None] + offs[None, :]).clamp(max=x.shape[1] - 1)
-    return x.gather(1, index) * cmask, cmask, index
-
-
-def scatter_back(xc: Any, cmask: Any, index: Any, like: Any) -> Any:
-    import torch
-
-    out = torch.zeros_like(like, dtype=xc.dtype)
-    rows = torch.arange(xc.shape[0], device=xc.device)[:, None].expand_as(index)
-    out[rows[cmask], index[cmask]] = xc[cmask]
-    return out
+    hidden = prefix_outputs(base.base_model, rows, "last_hidden_state", base.config)
+    return base.score(hidden).squeeze(-1).float()
 
 
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
     from rollout.losses.ppo import ppo_loss
+    from rollout.losses.prefix import prefix_logps
 
     def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
-        logps, entropy = token_logps(model.policy, b.tokens, with_entropy=True)
-        values = token_values(model.value, b.tokens)
+        logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True)
+        values = prefix_values(model.value, b.rows)
+        mask = b.rows.completion_mask
         loss, metrics = ppo_loss(
-            logps, b.old_logps, b.advantages, values, b.old_values, b.returns, b.mask,
+            logps, b.old_logps, b.advantages, values, b.old_values, b.returns, mask,
             clip_ratio=s.clip_ratio, clip_value=s.clip_value, vf_coef=s.vf_coef, normalizer=normalizer,
         )
-        metrics["entropy_sum"] = float(entropy[b.mask].sum())
+        metrics["entropy_sum"] = float(entropy[mask].sum())
         return loss, metrics
 
     return loss_fn
@@ -133,11 +107,11 @@ def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
 async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     import torch
 
-    from rollout.backends.torch_backend import move_to, pick_device
-    from rollout.data.collate import collate_padded
+    from rollout.backends.torch_backend import pick_device
     from rollout.data.jsonl import read_rows
     from rollout.inference.types import SamplingParams
     from rollout.losses.ppo import compute_gae, kl_penalized_rewards, whiten
+    from rollout.losses.prefix import collate_prefix, frozen_prefix_logps
     from rollout.rl.buffer import DataBuffer
     from rollout.rl.manager import RolloutManager
 
@@ -189,44 +163,36 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
               num_prompts=len(data), num_skipped_lines=report.num_skipped, rewards=[n for n, _, _ in reward_fns],
               resumed_from=ctx.resume_from.id if ctx.resume_from else None)
 
-    def policy_weights(all_weights: dict[str, Any]) -> dict[str, Any]:
-        return {k.removeprefix(POLICY): v for k, v in all_weights.items() if k.startswith(POLICY)}
-
     last: dict[str, float] = {}
     empty_streak = 0
     try:
         with TrainProgress("ppo", total_steps, start=loop.step) as progress:
             while loop.step < total_steps:
-                batch = await source.next(policy_weights(await backend.export_weights()), version)
+                batch = await source.next(await _policy_export(backend)(), version)
                 empty_streak = require_samples(batch, loop.step + 1, empty_streak)
                 if empty_streak:
                     continue
                 t_train = time.perf_counter()
                 samples = list(batch.ok_samples())
-                tokens = move_to(collate_padded(sample_sequences(samples), pad_id), device)
-                mask = tokens.loss_mask.clone()
-                mask[:, 0] = False
+                rows = collate_prefix([x.prompt_token_ids for x in samples],
+                                      [x.completion_token_ids for x in samples], pad_id).to(device)
+                mask = rows.completion_mask
                 with torch.no_grad():
                     model.eval()
-                    old_logps = frozen_token_logps(policy, tokens)
-                    old_values = token_values(value, tokens) * mask
-                    ref_logps = (frozen_token_logps(ref_model, tokens, adapter_disabled=ref_adapter)
+                    old_logps = frozen_prefix_logps(policy, rows)
+                    old_values = prefix_values(value, rows) * mask
+                    ref_logps = (frozen_prefix_logps(ref_model, rows, adapter_disabled=ref_adapter)
                                  if ref_model is not None else old_logps)
                     model.train()
                     scores = torch.tensor([x.reward for x in samples], dtype=torch.float32, device=device)
                     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, kl_coef=s.kl_coef)
-                    rc, cmask, index = completion_major(token_rewards, mask)
-                    vc, _, _ = completion_major(old_values, mask)
-                    adv_c, ret_c = compute_gae(rc, vc, cmask, gamma=s.gamma, lam=s.lam)
-                    if s.whiten_advantages and int(cmask.sum()) >= 2:
-                        adv_c = whiten(adv_c, cmask)
-                    advantages = scatter_back(adv_c, cmask, index, old_logps)
-                    returns = scatter_back(ret_c, cmask, index, old_logps)
+                    advantages, returns = compute_gae(token_rewards, old_values, mask, gamma=s.gamma, lam=s.lam)
+                    if s.whiten_advantages and int(mask.sum()) >= 2:
+                        advantages = whiten(advantages, mask)
                 rows_ = list(range(len(samples)))
                 chunks = [c for c in (rows_[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)) if c]
                 micro = [
-                    PPOBatch(_rows(tokens, c), mask[c], old_logps[c], old_values[c], advantages[c], returns[c])
-                    for c in chunks
+                    PPOBatch(rows.select(c), old_logps[c], old_values[c], advantages[c], returns[c]) for c in chunks
                 ]
                 normalizer = float(mask.sum())
                 loss_fn = make_ppo_loss_fn(s, normalizer)
@@ -239,7 +205,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                             agg[k] = agg.get(k, 0.0) + v
                     result = await backend.optim_step()
                     loop.step += 1
-                    step_tokens = int(tokens.attention_mask.sum())
+                    step_tokens = rows.num_row_tokens
                     loop.tokens_seen += step_tokens
                     n = max(1.0, agg["num_tokens"])
                     last = {
@@ -265,6 +231,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                 if every and loop.step < total_steps and loop.step // every > (loop.step - s.num_iterations) // every:
                     await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
         await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
+        await source.finish(_policy_export(backend), version)
     finally:
         await source.close()
         engine.close()
@@ -272,13 +239,11 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                                  extra=extra, metrics=last)
 
 
-def _rows(tokens: Any, rows: list[int]) -> Any:
-    """A TokenBatch of some rows of `tokens` (same width)."""
-    sub = {f.name: getattr(tokens, f.name) for f in dataclasses.fields(tokens)}
-    for name, value in sub.items():
-        if hasattr(value, "shape") and value.dim() >= 1 and value.shape[0] == tokens.input_ids.shape[0]:
-            sub[name] = value[rows]
-    sub["num_tokens"] = int(sub["attention_mask"].sum())
-    sub["num_loss_tokens"] = int(sub["loss_mask"][:, 1:].sum())
-    return dataclasses.replace(tokens, **sub)
+def _policy_export(backend: Any) -> Any:
+    """An async callable: the policy's weights, named as the plain causal LM names them."""
 
+    async def export() -> dict[str, Any]:
+        weights = await backend.export_weights()
+        return {k.removeprefix(POLICY): v for k, v in weights.items() if k.startswith(POLICY)}
+
+    return export

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,83 +52,37 @@ def build_engine(s: Any, inference: Any, device: Any) -> Any:
 
 
 def push_weights(engine: Any, weights: dict[str, Any], *, ctx: RunContext, version: int) -> None:
-    """In-process engines take the tensors; remote ones reload from an exported folder."""
+    """In-process engines take the tensors; remote ones reload from a folder this run writes.
+
+    The remote folder is `runs/<run>/weights/v<version>` (the server must see the same
+    filesystem, as with SGLang's `update_weights_from_disk`); once the server has
+    loaded it, the folder of the previous version is removed so pushes do not pile up.
+    """
     from rollout.inference.hf_engine import HFEngine
 
     if isinstance(engine, HFEngine):
         engine.update_weights(weights)
         return
+    import shutil
+
     import safetensors.torch
 
-    folder = ctx.run_dir / "weights" / f"v{version}"
+    root = ctx.run_dir / "weights"
+    folder = root / f"v{version}"
     folder.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors")
+    # a copy of every tensor: tied weights (embeddings = lm_head) share storage, which safetensors refuses
+    safetensors.torch.save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
+                                folder / "model.safetensors")
     engine.update_weights(str(folder))
+    for old in root.iterdir():
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def sample_sequences(samples: Sequence[Any]) -> list[Any]:
-    """prompt + completion token ids, the loss on the completion."""
-    from rollout.data.tokenize import TokenizedSample
+def is_remote(engine: Any) -> bool:
+    from rollout.inference.hf_engine import HFEngine
 
-    return [
-        TokenizedSample(
-            input_ids=tuple(s.prompt_token_ids) + tuple(s.completion_token_ids),
-            loss_mask=(False,) * len(s.prompt_token_ids) + (True,) * len(s.completion_token_ids),
-        )
-        for s in samples
-    ]
-
-
-def place_completion_values(samples: Sequence[Any], values: Sequence[Sequence[float]], width: int) -> Any:
-    """[B, width] tensor with each sample's per-completion-token values at its completion positions."""
-    import torch
-
-    out = torch.zeros(len(samples), width)
-    for i, (s, vals) in enumerate(zip(samples, values, strict=True)):
-        start = len(s.prompt_token_ids)
-        out[i, start : start + len(vals)] = torch.tensor(list(vals), dtype=torch.float32)
-    return out
-
-
-def token_logps(model: Any, tokens: Any, *, with_entropy: bool = False) -> tuple[Any, Any]:
-    """Per-token log-probs [B, T] (position t holds log p(token t | < t); 0 off the loss mask)
-    and, optionally, per-token entropies [B, T]. The LM head runs only at loss positions."""
-    import torch
-    import torch.nn.functional as F
-
-    from rollout.losses.logps import unwrap_peft
-
-    base = unwrap_peft(model)
-    hidden = base.get_decoder()(
-        input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, use_cache=False
-    ).last_hidden_state
-    sel = tokens.loss_mask[:, 1:]
-    logits = base.get_output_embeddings()(hidden[:, :-1][sel]).float()
-    logp_all = F.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(1, tokens.input_ids[:, 1:][sel].unsqueeze(1)).squeeze(1)
-    b, t = tokens.input_ids.shape
-    pad = torch.zeros(b, 1, dtype=picked.dtype, device=picked.device)
-    logps = torch.cat([pad, torch.zeros(b, t - 1, dtype=picked.dtype, device=picked.device).masked_scatter(sel, picked)], 1)
-    entropy = None
-    if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1).detach()
-        entropy = torch.cat([pad, torch.zeros(b, t - 1, device=ent.device).masked_scatter(sel, ent)], 1)
-    return logps, entropy
-
-
-def frozen_token_logps(model: Any, tokens: Any, *, adapter_disabled: bool = False) -> Any:
-    from contextlib import nullcontext
-
-    import torch
-
-    guard = model.disable_adapter() if adapter_disabled else nullcontext()
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), guard:
-            return token_logps(model, tokens)[0]
-    finally:
-        model.train(was_training)
+    return not isinstance(engine, HFEngine)
 
 
 def batch_to_dict(batch: Any) -> dict[str, Any]:
@@ -166,11 +120,13 @@ class BatchSource:
             push_weights(self.engine, weights, ctx=self.ctx, version=version)
             batch = await self.manager.next_batch(version)
         else:
-            if self.pending is None:  # first step of a fresh run
+            fresh = self.pending is None  # first step of a fresh run: the engine has these weights next
+            if fresh:
                 push_weights(self.engine, weights, ctx=self.ctx, version=version)
                 self.pending = asyncio.ensure_future(self.manager.next_batch(version))
             batch = await self._take()
-            push_weights(self.engine, weights, ctx=self.ctx, version=version)
+            if not fresh:
+                push_weights(self.engine, weights, ctx=self.ctx, version=version)
             self.pending = asyncio.ensure_future(self.manager.next_batch(version))
             await asyncio.sleep(0)  # let generation start before training blocks the loop
         self.gen_wait_s = time.perf_counter() - t0
@@ -190,6 +146,12 @@ class BatchSource:
 
     def restore(self, pending: dict[str, Any] | None) -> None:
         self.pending = batch_from_dict(pending) if pending is not None else None
+
+    async def finish(self, export: Callable[[], Awaitable[dict[str, Any]]], version: int) -> None:
+        """After the last step: a remote server gets the final policy (users may keep serving it)."""
+        await self.close()
+        if is_remote(self.engine):
+            push_weights(self.engine, await export(), ctx=self.ctx, version=version)
 
     async def close(self) -> None:
         if isinstance(self.pending, asyncio.Future):

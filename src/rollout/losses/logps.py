@@ -94,7 +94,7 @@ def sequence_logps(
         "position_ids": tokens.position_ids,
         "use_cache": False,
     }
-    parts = _decoder_and_head(model) if gather_lm_head else None
+    parts = decoder_and_head(model) if gather_lm_head else None
     if parts is None:
         logits = model(**inputs).logits
         return completion_logps(logits, tokens.input_ids, tokens.loss_mask)
@@ -130,7 +130,7 @@ def _sum_rows(per_token: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     return per_token.new_zeros(num_rows).index_add(0, rows, per_token)
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """(decoder, lm_head) when `lm_head(decoder(...).last_hidden_state)` are the model's logits."""
     peft_config = getattr(model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):  # virtual tokens live in the peft wrapper's forward

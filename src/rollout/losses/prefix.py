@@ -1,0 +1,175 @@
+"""Log-probs of completions that share prompts, with each prompt run once.
+
+GRPO samples `num_generations` completions per prompt and DPO scores a chosen
+and a rejected answer after the same prompt: a padded batch of full rows runs
+each prompt through the model several times. Here the distinct prompts run
+once (left-padded, so each prompt's last token sits in the last column), their
+key/value cache is gathered to one copy per row (`index_select`, differentiable:
+the backward sums each prompt's gradient over its rows), and the completions
+run on top of it (right-padded). Log-probs and gradients equal those of the
+full rows up to float rounding (tested against each row run alone); the tokens
+computed fall from B·(Lp + Lc) to P·Lp + B·Lc.
+
+Layout: everything is completion-major — column j of a row is completion
+token j, predicted from the prompt and completion tokens < j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rollout.losses.logps import decoder_and_head, unwrap_peft
+
+
+@dataclass(frozen=True)
+class PrefixBatch:
+    """B completion rows over P ≤ B distinct prompts."""
+
+    prompt_ids: torch.Tensor  # [P, Lp] left-padded
+    prompt_mask: torch.Tensor  # [P, Lp] bool
+    completion_ids: torch.Tensor  # [B, Lc] right-padded
+    completion_mask: torch.Tensor  # [B, Lc] bool: real completion tokens
+    owner: torch.Tensor  # [B] long: the prompt row of each completion row
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward computes (each prompt once)."""
+        return int(self.prompt_mask.sum()) + int(self.completion_mask.sum())
+
+    @property
+    def num_row_tokens(self) -> int:
+        """Tokens of the rows as full sequences (prompt + completion each)."""
+        return int(self.prompt_mask.sum(1)[self.owner].sum()) + int(self.completion_mask.sum())
+
+    def to(self, device: Any) -> PrefixBatch:
+        return PrefixBatch(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
+                                                     self.completion_mask, self.owner)))
+
+    def select(self, rows: Sequence[int]) -> PrefixBatch:
+        """Some rows, with only the prompts they use (in their original order). The completion
+        columns stay as they are, so [B, Lc] tensors of this batch index the same way."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.owner.device)
+        used, owner = torch.unique(self.owner[idx], sorted=True, return_inverse=True)
+        pmask = self.prompt_mask[used]
+        keep = int(pmask.sum(1).max())
+        return PrefixBatch(self.prompt_ids[used][:, -keep:], pmask[:, -keep:], self.completion_ids[idx],
+                           self.completion_mask[idx], owner)
+
+
+def collate_prefix(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> PrefixBatch:
+    """Rows (prompt_i + completion_i); equal prompts are stored once, in order of first appearance."""
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError("collate_prefix needs one prompt per completion and at least one row")
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    unique = list(index)
+    if any(not p for p in unique):
+        raise ValueError("every row needs at least one prompt token")
+    lp = max(len(p) for p in unique)
+    lc = max(1, max(len(c) for c in completions))
+    prompt_ids = torch.full((len(unique), lp), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(len(unique), lp, dtype=torch.bool)
+    for i, p in enumerate(unique):
+        prompt_ids[i, lp - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[i, lp - len(p) :] = True
+    completion_ids = torch.full((len(completions), lc), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros(len(completions), lc, dtype=torch.bool)
+    for i, c in enumerate(completions):
+        if c:
+            completion_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+            completion_mask[i, : len(c)] = True
+    return PrefixBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                       torch.tensor(owner, dtype=torch.long))
+
+
+def pad_rows(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """[B, width] float32: row i holds values[i] from column 0, zeros after (completion-major)."""
+    out = torch.zeros(len(values), width, dtype=torch.float32)
+    for i, row in enumerate(values):
+        if row:
+            out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
+    return out
+
+
+def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Any) -> torch.Tensor:
+    """[B, Lc, ·]: `field` of `module`'s output at the position that predicts each completion token.
+
+    `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits") that takes
+    `past_key_values`; `config` builds its cache."""
+    from transformers import DynamicCache
+
+    pmask = batch.prompt_mask.long()
+    prompt_out = module(
+        input_ids=batch.prompt_ids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0),
+        past_key_values=DynamicCache(config=config), use_cache=True,
+    )
+    cache = prompt_out.past_key_values
+    if cache is None:
+        raise RuntimeError("the model returned no key/value cache (is gradient checkpointing on?)")
+    cache.reorder_cache(batch.owner)  # one copy of its prompt's keys/values per row
+    lengths = pmask.sum(1)[batch.owner]
+    lc = batch.completion_ids.shape[1]
+    completion_out = module(
+        input_ids=batch.completion_ids,
+        attention_mask=torch.cat([pmask[batch.owner], batch.completion_mask.long()], dim=1),
+        position_ids=lengths[:, None] + torch.arange(lc, device=lengths.device)[None, :],
+        past_key_values=cache, use_cache=True,
+    )
+    last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
+    return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
+
+
+def prefix_hidden(model: Any, batch: PrefixBatch) -> torch.Tensor:
+    """[B, Lc, H]: the final hidden state that predicts each completion token (also what a
+    per-token value head reads: column j is the state before completion token j)."""
+    base = unwrap_peft(model)
+    return prefix_outputs(base.get_decoder(), batch, "last_hidden_state", base.config)
+
+
+def prefix_logps(
+    model: Any, batch: PrefixBatch, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, Lc] log p(completion token j | prompt, tokens < j) (0 off the mask) and, optionally, the
+    per-token entropies [B, Lc] (detached). The LM head runs only at real completion tokens, unless
+    the model transforms its logits (soft-capping, scaling), when its own full forward is used."""
+    sel = batch.completion_mask
+    parts = decoder_and_head(model)
+    if parts is not None:
+        base = unwrap_peft(model)
+        hidden = prefix_outputs(parts[0], batch, "last_hidden_state", base.config)
+        logits = parts[1](hidden[sel]).float()
+    else:
+        logits = prefix_outputs(model, batch, "logits", unwrap_peft(model).config)[sel].float()
+    logp_all = F.log_softmax(logits, dim=-1)
+    picked = logp_all.gather(1, batch.completion_ids[sel].unsqueeze(1)).squeeze(1)
+    logps = torch.zeros(sel.shape, dtype=picked.dtype, device=picked.device).masked_scatter(sel, picked)
+    entropy = None
+    if with_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(-1).detach()
+        entropy = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
+    return logps, entropy
+
+
+def frozen_prefix_logps(model: Any, batch: PrefixBatch, *, adapter_disabled: bool = False) -> torch.Tensor:
+    """`prefix_logps` without grad, in eval mode (the reference, or old log-probs)."""
+    from contextlib import nullcontext
+
+    guard = model.disable_adapter() if adapter_disabled else nullcontext()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), guard:
+            return prefix_logps(model, batch)[0]
+    finally:
+        model.train(was_training)

@@ -1,0 +1,113 @@
+"""Shared-prompt log-probs: each prompt run once, equal to the full rows in values and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout.losses.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
+
+PAD = 0
+PROMPTS = [(5, 17, 9, 30, 4, 8, 21), (40, 2, 61), (11, 50, 3, 3, 9)]
+# 7 rows over 3 prompts (in mixed order), completions of 1 to 5 tokens
+ROWS = [(0, (7, 8, 9)), (1, (12,)), (0, (7, 100, 3, 4, 5)), (2, (1, 2)), (1, (60, 61, 62)), (0, (44,)), (2, (9, 9, 9, 9))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _batch():
+    return collate_prefix([PROMPTS[p] for p, _ in ROWS], [c for _, c in ROWS], PAD)
+
+
+def _direct(model) -> list[list[float]]:
+    """Each full row alone (no padding at all), one token at a time, in float64."""
+    out = []
+    for p, c in ROWS:
+        ids = torch.tensor([PROMPTS[p] + c])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].double()
+        out.append([float(torch.log_softmax(logits[len(PROMPTS[p]) + j - 1], -1)[tok]) for j, tok in enumerate(c)])
+    return out
+
+
+def _rows(logps, batch) -> list[list[float]]:
+    return [logps[i][batch.completion_mask[i]].tolist() for i in range(batch.num_rows)]
+
+
+def test_collate_stores_each_prompt_once():
+    b = _batch()
+    assert b.prompt_ids.shape == (3, 7) and b.owner.tolist() == [0, 1, 0, 2, 1, 0, 2]
+    assert b.prompt_ids[1].tolist() == [PAD] * 4 + [40, 2, 61]  # left-padded
+    assert b.completion_ids[1].tolist() == [12, PAD, PAD, PAD, PAD]  # right-padded
+    assert b.num_tokens == 15 + 19 and b.num_row_tokens == (7 * 3 + 3 * 2 + 5 * 2) + 19
+    with pytest.raises(ValueError, match="prompt token"):
+        collate_prefix([()], [(1,)], PAD)
+
+
+def test_logps_equal_the_full_rows_one_token_at_a_time(model):
+    b = _batch()
+    logps, entropy = prefix_logps(model, b, with_entropy=True)
+    for got, want in zip(_rows(logps, b), _direct(model), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert logps[~b.completion_mask].abs().sum() == 0 and entropy[~b.completion_mask].abs().sum() == 0
+    assert bool((entropy[b.completion_mask] > 0).all())
+
+
+def test_gradients_equal_the_full_rows(model):
+    m = copy.deepcopy(model).train()
+    b = _batch()
+    weights = torch.linspace(-1, 2, len(ROWS))
+    (prefix_logps(m, b)[0].sum(1) * weights).sum().backward()
+    shared = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    for (p, c), w in zip(ROWS, weights, strict=True):  # each full row alone
+        logp = torch.log_softmax(m(input_ids=torch.tensor([PROMPTS[p] + c])).logits[0].float(), -1)
+        picked = logp[len(PROMPTS[p]) - 1 : -1].gather(1, torch.tensor(c)[:, None])
+        (picked.sum() * w).backward()
+    for name, p in m.named_parameters():
+        assert torch.allclose(shared[name], p.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_select_keeps_only_the_prompts_its_rows_use(model):
+    b = _batch()
+    sub = b.select([1, 4, 3])
+    assert sub.prompt_ids.shape == (2, 5) and sub.owner.tolist() == [0, 0, 1]
+    assert sub.completion_ids.shape == (3, 5)  # columns unchanged: [B, Lc] tensors index alike
+    whole, part = _rows(frozen_prefix_logps(model, b), b), _rows(frozen_prefix_logps(model, sub), sub)
+    for i, row in enumerate([1, 4, 3]):
+        assert part[i] == pytest.approx(whole[row], abs=1e-5)
+
+
+def test_models_that_transform_their_logits_run_their_own_forward(model, monkeypatch):
+    from rollout.losses.logps import decoder_and_head
+
+    m = copy.deepcopy(model)
+    monkeypatch.setattr(m.config, "final_logit_softcapping", 30.0, raising=False)
+    assert decoder_and_head(m) is None  # the generic path: the model's own logits
+    b = _batch()
+    for got, want in zip(_rows(frozen_prefix_logps(m, b), b), _direct(model), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_peft_adapter_on_and_off(model):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    b = _batch()
+    on, off = frozen_prefix_logps(lora, b), frozen_prefix_logps(lora, b, adapter_disabled=True)
+    assert torch.allclose(off, frozen_prefix_logps(model, b), atol=1e-5)
+    assert not torch.allclose(on, off, atol=1e-3)
+
+
+def test_pad_rows():
+    assert pad_rows([[1.0, 2.0], [], [3.0]], 3).tolist() == [[1, 2, 0], [0, 0, 0], [3, 0, 0]]
