@@ -199,3 +199,26 @@ def test_update_weights_in_place(tiny_model_dir: Path, other_weights_dir: Path) 
     name = next(iter(original))
     with pytest.raises(ModelError, match="shape"):
         eng.update_weights({name: torch.zeros(3)})
+
+
+def test_each_distinct_prompt_is_prefilled_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout.inference.hf_engine import HFSession
+
+    engine = load_hf_engine(tiny_model_dir, max_batch_size=32)
+    widths: list[int] = []
+    forward = HFSession._forward
+
+    def counting(self, ids, mask, positions, *, cache):  # noqa: ANN001, ANN202
+        widths.append(ids.shape[0])
+        return forward(self, ids, mask, positions, cache=cache)
+
+    monkeypatch.setattr(HFSession, "_forward", counting)
+    params = SamplingParams(temperature=1.0, max_tokens=4, n=8, seed=5, ignore_eos=True)
+    results = engine.generate(["What is 3+8?", "What is 2+2?", "What is 3+8?"], params)
+    assert widths[0] == 2 and widths[1] == 24  # prefill: 2 distinct prompts; decode: 3 x 8 rows
+    for choices in results:  # and every row still samples on its own, with exact log-probs
+        assert len({c.token_ids for c in choices}) > 1
+        for c in choices:
+            expected = teacher_forced_logprobs(engine.model, c.prompt_token_ids, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+    assert [c.token_ids for c in results[0]] == [c.token_ids for c in results[2]]  # same prompt, same seed

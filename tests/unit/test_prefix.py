@@ -111,3 +111,25 @@ def test_peft_adapter_on_and_off(model):
 
 def test_pad_rows():
     assert pad_rows([[1.0, 2.0], [], [3.0]], 3).tolist() == [[1, 2, 0], [0, 0, 0], [3, 0, 0]]
+
+
+def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
+    from rollout.data.collate import collate_pairs
+    from rollout.data.tokenize import TokenizedPair
+    from rollout.losses.logps import sequence_logps
+    from rollout.losses.prefix import collate_shared_pairs, prefix_sequence_logps
+
+    pairs = [
+        TokenizedPair((5, 17, 9, 30, 4, 8), (5, 17, 9, 30, 77), 3, 3),
+        TokenizedPair((40, 2, 61, 99, 3, 12, 101, 7), (40, 2, 61, 99, 1), 4, 4),
+        TokenizedPair((11, 50), (11, 51, 52, 53), 1, 1),
+    ]
+    shared = collate_shared_pairs(pairs, PAD)
+    assert shared.prompt_ids.shape[0] == 3 and shared.owner.tolist() == [0, 1, 2, 0, 1, 2]
+    full, _ = collate_pairs(pairs, PAD)
+    with torch.no_grad():
+        want, want_counts = sequence_logps(model, full)
+        got, counts = prefix_sequence_logps(model, shared)
+    assert torch.allclose(got, want, atol=1e-5) and counts.tolist() == want_counts.tolist()
+    # a pair whose two sides disagree on the prompt tokens cannot share it
+    assert collate_shared_pairs([TokenizedPair((1, 2, 3), (1, 4, 3), 2, 2)], PAD) is None

@@ -45,6 +45,7 @@ class DPOBatch:
     tokens: Any  # TokenBatch: rows 0..n-1 chosen, n..2n-1 rejected
     num_pairs: int
     ref_logps: Any  # [2n] reference log-prob sums (averaged for ipo)
+    shared: Any = None  # the same rows as a PrefixBatch (each prompt once), when the pairs allow it
 
 
 def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
@@ -55,9 +56,13 @@ def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
     from rollout.losses.logps import sequence_logps
     from rollout.losses.preference import dpo_loss
+    from rollout.losses.prefix import prefix_sequence_logps
 
     def loss_fn(model: Any, batch: DPOBatch) -> tuple[Any, dict[str, float]]:
-        logps, counts = sequence_logps(model, batch.tokens)
+        if batch.shared is not None:
+            logps, counts = prefix_sequence_logps(model, batch.shared)
+        else:
+            logps, counts = sequence_logps(model, batch.tokens)
         if s.loss_type == "ipo":
             logps = logps / counts.clamp(min=1)
         n = batch.num_pairs
@@ -69,10 +74,12 @@ def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
     return loss_fn
 
 
-def reference_logps(ref: Reference, tokens: Any, pair_ids: Sequence[int], num_pairs_total: int, *, average: bool) -> Any:
+def reference_logps(
+    ref: Reference, tokens: Any, pair_ids: Sequence[int], num_pairs_total: int, *, average: bool, shared: Any = None
+) -> Any:
     """[2n] reference log-probs for a pair batch (table rows: chosen 0..N-1, rejected N..2N-1)."""
     seq_ids = [*pair_ids, *(num_pairs_total + i for i in pair_ids)]
-    logps = ref.logps(tokens, seq_ids)
+    logps = ref.logps(tokens, seq_ids, shared=shared)
     if average and ref.kind != "table":  # the table already stores averaged values for ipo
         counts = tokens.loss_mask[:, 1:].sum(dim=1).clamp(min=1)
         logps = logps / counts.to(logps.dtype)
@@ -85,6 +92,7 @@ def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, dev
 
     from rollout.backends.torch_backend import move_to
     from rollout.data.collate import collate_pairs
+    from rollout.losses.prefix import collate_shared_pairs
 
     n = len(pairs)
     table = torch.empty(2 * n, dtype=torch.float64)
@@ -92,7 +100,9 @@ def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, dev
         chunk = pairs[start : start + 64]
         tokens, c = collate_pairs(chunk, pad_id)
         tokens = move_to(tokens, device)
-        logps = reference_logps(ref, tokens, list(range(c)), 0, average=average).double().cpu()
+        shared = collate_shared_pairs(chunk, pad_id)
+        shared = shared.to(device) if shared is not None else None
+        logps = reference_logps(ref, tokens, list(range(c)), 0, average=average, shared=shared).double().cpu()
         table[start : start + c] = logps[:c]
         table[n + start : n + start + c] = logps[c:]
     return table
@@ -106,6 +116,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     from rollout.data.jsonl import read_rows
     from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
     from rollout.data.tokenize import tokenize_pairs
+    from rollout.losses.prefix import collate_shared_pairs
 
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(cfg)
@@ -153,10 +164,13 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
                 idx = [r[0].sample for r in rows_]
-                tokens, n = collate_pairs([pairs[i] for i in idx], pad_id)
+                chunk = [pairs[i] for i in idx]
+                tokens, n = collate_pairs(chunk, pad_id)
                 tokens = move_to(tokens, device)
-                ref_lp = reference_logps(ref, tokens, idx, len(pairs), average=average)
-                batches.append(DPOBatch(tokens=tokens, num_pairs=n, ref_logps=ref_lp.to(device)))
+                shared = collate_shared_pairs(chunk, pad_id)
+                shared = shared.to(device) if shared is not None else None
+                ref_lp = reference_logps(ref, tokens, idx, len(pairs), average=average, shared=shared)
+                batches.append(DPOBatch(tokens=tokens, num_pairs=n, ref_logps=ref_lp.to(device), shared=shared))
             normalizer = float(sum(b.num_pairs for b in batches))
             loss_fn = make_dpo_loss_fn(s, normalizer)
             agg: dict[str, float] = {}

@@ -38,11 +38,13 @@ class Reference:
     table: Any = None  # [num_sequences] float64 log-prob sums, for "table"
     snapshot_id: str | None = None
 
-    def logps(self, tokens: Any, seq_ids: Sequence[int]) -> Any:
-        """[rows] reference log-prob sums for `tokens`, whose rows are sequences `seq_ids` (table)."""
+    def logps(self, tokens: Any, seq_ids: Sequence[int], *, shared: Any = None) -> Any:
+        """[rows] reference log-prob sums for `tokens`, whose rows are sequences `seq_ids` (table).
+        `shared`: the same rows as a PrefixBatch, which runs each prompt once."""
         import torch
 
         from rollout.losses.logps import sequence_logps
+        from rollout.losses.prefix import prefix_sequence_logps
 
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
@@ -51,7 +53,8 @@ class Reference:
         self.model.eval()
         try:
             with torch.no_grad(), guard:
-                logps, _ = sequence_logps(self.model, tokens)
+                logps, _ = (prefix_sequence_logps(self.model, shared) if shared is not None
+                            else sequence_logps(self.model, tokens))
         finally:
             self.model.train(was_training)
         return logps.float()

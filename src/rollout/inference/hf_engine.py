@@ -297,16 +297,24 @@ class HFSession:
             self.waiting.append(list(prepared))
             return
         rows = [row for p in prepared for row in self._make_rows(p)]
-        prompts = [r.job.prompt_ids for r in rows]
-        width = max(len(p) for p in prompts)
+        # each distinct prompt is prefilled once (n choices, or equal prompts, share it); its cache,
+        # mask and last logits are then gathered to one copy per row
+        unique: dict[tuple[int, ...], int] = {}
+        owner = [unique.setdefault(r.job.prompt_ids, len(unique)) for r in rows]
+        width = max(len(p) for p in unique)
         device = self.engine.device
-        ids = torch.full((len(rows), width), self.engine.pad_token_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
+        ids = torch.full((len(unique), width), self.engine.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(unique), width), dtype=torch.long, device=device)
+        for i, p in enumerate(unique):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache, logits = self._forward(ids, mask, positions, cache=None)
+        if len(unique) < len(rows):
+            index = torch.tensor(owner, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                cache.reorder_cache(index)
+            mask, logits = mask.index_select(0, index), logits.index_select(0, index)
         new = _BatchState(
             cache=cache,
             mask=mask,

@@ -173,3 +173,27 @@ def frozen_prefix_logps(model: Any, batch: PrefixBatch, *, adapter_disabled: boo
             return prefix_logps(model, batch)[0]
     finally:
         model.train(was_training)
+
+
+def prefix_sequence_logps(model: Any, batch: PrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of the rows (log-prob sums [B] float32, token counts [B] long), each
+    prompt run once."""
+    logps, _ = prefix_logps(model, batch)
+    return logps.sum(1), batch.completion_mask.sum(1)
+
+
+def collate_shared_pairs(pairs: Sequence[Any], pad_id: int) -> PrefixBatch | None:
+    """The pairs as a PrefixBatch — rows 0..n-1 chosen, n..2n-1 rejected, each prompt once — or
+    None when some pair's chosen and rejected do not start with the same prompt tokens (then the
+    full rows of `collate_pairs` are used)."""
+    prompts, completions = [], []
+    for side in ("chosen", "rejected"):
+        for p in pairs:
+            ids, cut = (p.chosen_ids, p.prompt_len_chosen) if side == "chosen" else (p.rejected_ids,
+                                                                                      p.prompt_len_rejected)
+            prompts.append(tuple(ids[:cut]))
+            completions.append(tuple(ids[cut:]))
+    n = len(pairs)
+    if any(prompts[i] != prompts[n + i] or not prompts[i] for i in range(n)):
+        return None
+    return collate_prefix(prompts, completions, pad_id)
