@@ -20,7 +20,7 @@ SMALL = {
     "minibatch_size = 16": "minibatch_size = 3",
     "num_generations = 8": "num_generations = 4",
     "max_tokens = 6": "max_tokens = 4",
-    "max_steps = 150": f"max_steps = {N}",
+    "max_steps = 250": f"max_steps = {N}",
     "every_steps = 50": f"every_steps = {N // 2}",
     "keep_last = 3": "keep_last = 10",
     "dynamic_sampling = true": "dynamic_sampling = false",
@@ -130,4 +130,5 @@ def test_grpo_example_raises_held_out_reward(workspace, tmp_path_factory):
     g1, m1 = held_out(rl_dir / "model")
     print(f"GRPO held-out: greedy accuracy {g0:.3f} -> {g1:.3f}, sampled mean reward {m0:.3f} -> {m1:.3f}")
     assert 0.2 <= g0 <= 0.5  # the starting point is only partly trained
+    # Measured here (1 thread): 0.187 -> 0.518 (+0.331); with seed = 1, 0.187 -> 0.632 (+0.446).
     assert m1 >= m0 + 0.2

@@ -19,7 +19,7 @@ SMALL = {
     "minibatch_size = 16": "minibatch_size = 3",
     "num_generations = 8": "num_generations = 2",
     "max_tokens = 6": "max_tokens = 4",
-    "max_steps = 150": f"max_steps = {N}",
+    "max_steps = 200": f"max_steps = {N}",
     "every_steps = 50": f"every_steps = {N // 2}",
     "keep_last = 3": "keep_last = 10",
 }
@@ -98,6 +98,5 @@ def test_ppo_example_raises_held_out_reward(workspace, tmp_path_factory):
 
     before, after = sampled_reward(warm_dir / "model"), sampled_reward(rl_dir / "model")
     print(f"PPO held-out sampled mean reward {before:.3f} -> {after:.3f}")
-    # Measured here: 0.187 -> 0.384 (+0.197). The issue's bar is +0.2; PPO on this budget sits just
-    # under it (GRPO clears it), so this asserts clear learning and the gap is tracked on the issue.
-    assert after >= before + 0.15
+    # Measured here (1 thread): 0.187 -> 0.548 (+0.361); with seed = 1, 0.187 -> 0.443 (+0.256).
+    assert after >= before + 0.2

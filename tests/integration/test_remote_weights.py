@@ -60,7 +60,7 @@ def test_grpo_samples_from_and_pushes_weights_to_a_remote_server(remote, workspa
     text = example_config("grpo-tiny.toml", workspace, tmp_path, {
         '"../local/models/sft-warmup"': '"../local/models/tiny"',
         "minibatch_size = 16": "minibatch_size = 2", "num_generations = 8": "num_generations = 4",
-        "max_tokens = 6": "max_tokens = 4", "max_steps = 150": f"max_steps = {N}",
+        "max_tokens = 6": "max_tokens = 4", "max_steps = 250": f"max_steps = {N}",
         "dynamic_sampling = true": "dynamic_sampling = false", "lr = 1e-3": "lr = 1e-2",
         'name = "arithmetic_correct"': 'name = "rl_plugins:text_length"',
     }).read_text()
