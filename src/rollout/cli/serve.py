@@ -125,6 +125,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise RolloutError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    # listening from here on: a client that connects once "serving ..." is printed waits in the
+    # backlog until uvicorn accepts it, instead of being refused while uvicorn starts
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -411,10 +411,33 @@ def _configure_sqlite_connection(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-    cursor.execute("PRAGMA journal_mode = WAL")
+    _enable_wal(cursor)
     cursor.execute("PRAGMA synchronous = FULL")
     cursor.execute("PRAGMA foreign_keys = ON")
     cursor.close()
+
+
+def _enable_wal(cursor: Any) -> None:
+    """Switch the file to WAL (persistent, so only its first opener really changes it).
+
+    The switch needs the file to itself, and SQLite does not always run the busy handler for
+    it: when another process is opening the same fresh file at that moment it answers
+    "database is locked" at once. So retry, within the busy timeout.
+    """
+    import sqlite3
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if ("locked" not in str(err) and "busy" not in str(err)) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 def _begin_sqlite_transaction(conn: sa.Connection) -> None:
