@@ -117,7 +117,7 @@ def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
     from rollout.data.collate import collate_pairs
     from rollout.data.tokenize import TokenizedPair
     from rollout.losses.logps import sequence_logps
-    from rollout.losses.prefix import collate_shared_pairs, prefix_sequence_logps
+    from rollout.losses.prefix import collate_shared_pairs, rows_logps
 
     pairs = [
         TokenizedPair((5, 17, 9, 30, 4, 8), (5, 17, 9, 30, 77), 3, 3),
@@ -129,7 +129,7 @@ def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
     full, _ = collate_pairs(pairs, PAD)
     with torch.no_grad():
         want, want_counts = sequence_logps(model, full)
-        got, counts = prefix_sequence_logps(model, shared)
+        got, counts = rows_logps(model, full, shared)
     assert torch.allclose(got, want, atol=1e-5) and counts.tolist() == want_counts.tolist()
     # a pair whose two sides disagree on the prompt tokens cannot share it
     assert collate_shared_pairs([TokenizedPair((1, 2, 3), (1, 4, 3), 2, 2)], PAD) is None

@@ -54,15 +54,11 @@ def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 
 def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
-    from rollout.losses.logps import sequence_logps
     from rollout.losses.preference import dpo_loss
-    from rollout.losses.prefix import prefix_sequence_logps
+    from rollout.losses.prefix import rows_logps
 
     def loss_fn(model: Any, batch: DPOBatch) -> tuple[Any, dict[str, float]]:
-        if batch.shared is not None:
-            logps, counts = prefix_sequence_logps(model, batch.shared)
-        else:
-            logps, counts = sequence_logps(model, batch.tokens)
+        logps, counts = rows_logps(model, batch.tokens, batch.shared)
         if s.loss_type == "ipo":
             logps = logps / counts.clamp(min=1)
         n = batch.num_pairs
@@ -86,22 +82,27 @@ def reference_logps(
     return logps
 
 
-def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, device: Any, *, average: bool) -> Any:
-    """All pairs' reference log-probs in one batched pass: [2N] (chosen then rejected)."""
-    import torch
-
+def collate_pair_batch(pairs: Sequence[Any], pad_id: int, device: Any) -> tuple[Any, int, Any]:
+    """(full rows as collate_pairs makes them, number of pairs, the same rows sharing each prompt
+    or None when a pair's sides disagree on the prompt tokens), on `device`."""
     from rollout.backends.torch_backend import move_to
     from rollout.data.collate import collate_pairs
     from rollout.losses.prefix import collate_shared_pairs
+
+    tokens, n = collate_pairs(pairs, pad_id)
+    shared = collate_shared_pairs(pairs, pad_id)
+    return move_to(tokens, device), n, shared.to(device) if shared is not None else None
+
+
+def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, device: Any, *, average: bool) -> Any:
+    """All pairs' reference log-probs in one batched pass: [2N] (chosen then rejected)."""
+    import torch
 
     n = len(pairs)
     table = torch.empty(2 * n, dtype=torch.float64)
     for start in range(0, n, 64):
         chunk = pairs[start : start + 64]
-        tokens, c = collate_pairs(chunk, pad_id)
-        tokens = move_to(tokens, device)
-        shared = collate_shared_pairs(chunk, pad_id)
-        shared = shared.to(device) if shared is not None else None
+        tokens, c, shared = collate_pair_batch(chunk, pad_id, device)
         logps = reference_logps(ref, tokens, list(range(c)), 0, average=average, shared=shared).double().cpu()
         table[start : start + c] = logps[:c]
         table[n + start : n + start + c] = logps[c:]
@@ -111,12 +112,10 @@ def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, dev
 async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
 
     from rollout.algorithms.reference import digest_records
-    from rollout.backends.torch_backend import move_to, pick_device
-    from rollout.data.collate import collate_pairs
+    from rollout.backends.torch_backend import pick_device
     from rollout.data.jsonl import read_rows
     from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
     from rollout.data.tokenize import tokenize_pairs
-    from rollout.losses.prefix import collate_shared_pairs
 
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(cfg)
@@ -164,11 +163,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
                 idx = [r[0].sample for r in rows_]
-                chunk = [pairs[i] for i in idx]
-                tokens, n = collate_pairs(chunk, pad_id)
-                tokens = move_to(tokens, device)
-                shared = collate_shared_pairs(chunk, pad_id)
-                shared = shared.to(device) if shared is not None else None
+                tokens, n, shared = collate_pair_batch([pairs[i] for i in idx], pad_id, device)
                 ref_lp = reference_logps(ref, tokens, idx, len(pairs), average=average, shared=shared)
                 batches.append(DPOBatch(tokens=tokens, num_pairs=n, ref_logps=ref_lp.to(device), shared=shared))
             normalizer = float(sum(b.num_pairs for b in batches))

@@ -43,8 +43,7 @@ class Reference:
         `shared`: the same rows as a PrefixBatch, which runs each prompt once."""
         import torch
 
-        from rollout.losses.logps import sequence_logps
-        from rollout.losses.prefix import prefix_sequence_logps
+        from rollout.losses.prefix import rows_logps
 
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
@@ -53,8 +52,7 @@ class Reference:
         self.model.eval()
         try:
             with torch.no_grad(), guard:
-                logps, _ = (prefix_sequence_logps(self.model, shared) if shared is not None
-                            else sequence_logps(self.model, tokens))
+                logps, _ = rows_logps(self.model, tokens, shared)
         finally:
             self.model.train(was_training)
         return logps.float()

@@ -58,9 +58,7 @@ def push_weights(engine: Any, weights: dict[str, Any], *, ctx: RunContext, versi
     filesystem, as with SGLang's `update_weights_from_disk`); once the server has
     loaded it, the folder of the previous version is removed so pushes do not pile up.
     """
-    from rollout.inference.hf_engine import HFEngine
-
-    if isinstance(engine, HFEngine):
+    if not is_remote(engine):
         engine.update_weights(weights)
         return
     import shutil
@@ -80,6 +78,7 @@ def push_weights(engine: Any, weights: dict[str, Any], *, ctx: RunContext, versi
 
 
 def is_remote(engine: Any) -> bool:
+    """Whether `engine` generates elsewhere (weights travel through a folder), not in this process."""
     from rollout.inference.hf_engine import HFEngine
 
     return not isinstance(engine, HFEngine)

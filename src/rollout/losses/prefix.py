@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rollout.losses.logps import decoder_and_head, unwrap_peft
+from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
 
 
 @dataclass(frozen=True)
@@ -130,13 +130,6 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Any) -> 
     return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
 
 
-def prefix_hidden(model: Any, batch: PrefixBatch) -> torch.Tensor:
-    """[B, Lc, H]: the final hidden state that predicts each completion token (also what a
-    per-token value head reads: column j is the state before completion token j)."""
-    base = unwrap_peft(model)
-    return prefix_outputs(base.get_decoder(), batch, "last_hidden_state", base.config)
-
-
 def prefix_logps(
     model: Any, batch: PrefixBatch, *, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,11 +168,13 @@ def frozen_prefix_logps(model: Any, batch: PrefixBatch, *, adapter_disabled: boo
         model.train(was_training)
 
 
-def prefix_sequence_logps(model: Any, batch: PrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logps` of the rows (log-prob sums [B] float32, token counts [B] long), each
-    prompt run once."""
-    logps, _ = prefix_logps(model, batch)
-    return logps.sum(1), batch.completion_mask.sum(1)
+def rows_logps(model: Any, tokens: Any, shared: PrefixBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of a batch's rows (log-prob sums [B] float32, token counts [B] long): from
+    `shared` (each prompt run once) when given, else from the full rows `tokens`."""
+    if shared is None:
+        return sequence_logps(model, tokens)
+    logps, _ = prefix_logps(model, shared)
+    return logps.sum(1), shared.completion_mask.sum(1)
 
 
 def collate_shared_pairs(pairs: Sequence[Any], pad_id: int) -> PrefixBatch | None:
