@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rollout.errors import StorageError
-from rollout.observe import RunRecorder
+from rollout.errors import ConfigError, StorageError
+from rollout.observe import Heartbeat, RunRecorder
 from rollout.store import EventRecord, open_store
 
 
@@ -135,3 +135,96 @@ def test_bad_values_fail_at_the_call_site(store, run_id):
             recorder.metrics(0, {"train/loss": "high"})
         recorder.event("fine", loss=float("nan"))
     assert [e.name for e in store.read_events(run_id)] == ["fine"]
+
+
+# -- Heartbeat -----------------------------------------------------------------
+
+
+def test_heartbeat_advances_while_the_run_is_running(store, run_id):
+    store.set_run_status(run_id, "running")
+    first = store.get_run(run_id).heartbeat_at
+    with Heartbeat(store, run_id, interval_s=0.05) as heartbeat:
+        deadline = time.monotonic() + 10
+        while store.get_run(run_id).heartbeat_at == first and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = store.get_run(run_id).heartbeat_at
+        assert second > first
+        time.sleep(0.2)
+        assert store.get_run(run_id).heartbeat_at > second  # it keeps beating
+    stopped = store.get_run(run_id).heartbeat_at
+    time.sleep(0.2)
+    assert store.get_run(run_id).heartbeat_at == stopped  # and stops with the context
+    assert (heartbeat.failures, heartbeat.error) == (0, None)
+
+
+def test_heartbeat_shares_the_store_with_the_recorder_thread(store, run_id):
+    # SqlStore checks a pooled connection out per call, so a second writer thread is safe.
+    store.set_run_status(run_id, "running")
+    with (
+        Heartbeat(store, run_id, interval_s=0.001) as heartbeat,
+        RunRecorder(store, run_id, None) as recorder,
+    ):
+        for step in range(300):
+            recorder.event("train_step", step=step)
+            recorder.metrics(step, {"train/loss": 1.0})
+            if step % 50 == 0:
+                recorder.flush()
+    assert (heartbeat.failures, heartbeat.error) == (0, None)
+    assert len(store.read_events(run_id)) == 300 and len(store.read_metrics(run_id)) == 300
+    assert store.mark_crashed(timeout_s=30.0) == []
+
+
+class FailingStore:
+    """A store whose heartbeat fails `failures` times, then works."""
+
+    def __init__(self, store, failures: int) -> None:
+        self._store, self.left = store, failures
+
+    def heartbeat(self, run_id):
+        if self.left > 0:
+            self.left -= 1
+            raise StorageError("cannot record a heartbeat in the store: connection refused")
+        return self._store.heartbeat(run_id)
+
+
+def test_heartbeat_failures_are_kept_and_do_not_stop_it(store, run_id, capsys):
+    store.set_run_status(run_id, "running")
+    failing = FailingStore(store, failures=3)
+    before = store.get_run(run_id).heartbeat_at
+    with Heartbeat(failing, run_id, interval_s=0.02) as heartbeat:
+        deadline = time.monotonic() + 10
+        while store.get_run(run_id).heartbeat_at == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert heartbeat.failures == 3 and "connection refused" in str(heartbeat.error)
+    assert store.get_run(run_id).heartbeat_at > before  # beating again once the store is back
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings == [
+        "warning: cannot record a heartbeat in the store: connection refused (retrying every 0.02 s)"
+    ]
+
+
+def test_heartbeat_on_a_run_that_is_no_longer_running_warns_once(store, run_id, capsys):
+    with Heartbeat(store, run_id, interval_s=0.01):  # the run is still pending
+        time.sleep(0.1)
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: run {run_id} is no longer `running` in the store; heartbeats have no effect"
+    ]
+
+
+def test_heartbeat_interval_from_the_environment(store, run_id, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_HEARTBEAT_S", raising=False)
+    assert Heartbeat(store, run_id).interval_s == 5.0
+    monkeypatch.setenv("ROLLOUT_HEARTBEAT_S", "0.25")
+    assert Heartbeat(store, run_id).interval_s == 0.25
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("ROLLOUT_HEARTBEAT_S", bad)
+        with pytest.raises(ConfigError, match="ROLLOUT_HEARTBEAT_S must be a positive number of seconds"):
+            Heartbeat(store, run_id)
+
+
+def test_heartbeat_stop_is_prompt_and_idempotent(store, run_id):
+    heartbeat = Heartbeat(store, run_id, interval_s=60.0).start()
+    started = time.perf_counter()
+    heartbeat.stop()
+    heartbeat.stop()
+    assert time.perf_counter() - started < 1.0

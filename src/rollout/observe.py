@@ -1,4 +1,5 @@
-"""`RunRecorder`: a run's events and metrics, written to the store and to a JSONL file.
+"""`RunRecorder`: a run's events and metrics, written to the store and to a JSONL file;
+`Heartbeat`: a running run's sign of life, so readers can tell a dead run from a live one.
 
 The training loop calls `event(...)` / `metrics(...)`, which only enqueue; a
 background thread drains the queue in batches (one store transaction per batch
@@ -12,13 +13,23 @@ and re-raised as `StorageError` from the next call, so it is never lost:
 JSONL lines: `{"type":"event","run_id","seq","time","name","fields"}` and
 `{"type":"metric","run_id","step","name","value"}` (non-finite floats are
 written as Python's `NaN` / `Infinity`).
+
+A run killed with SIGKILL never writes its final status. While it runs, a
+`Heartbeat` thread stamps the run's `heartbeat_at` every `$ROLLOUT_HEARTBEAT_S`
+seconds (default 5); `rollout runs list` marks a running run `crashed` once
+that stamp is older than its `--heartbeat-timeout` (default 60 s):
+
+    with Heartbeat(store, run.id):
+        train()
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -26,10 +37,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from rollout.errors import StorageError
+from rollout.errors import ConfigError, StorageError
 from rollout.store.base import EventRecord, MetricRecord, Store
 
 COALESCE_S = 0.2
+HEARTBEAT_ENV = "ROLLOUT_HEARTBEAT_S"
+DEFAULT_HEARTBEAT_S = 5.0
 MAX_BATCH = 1000
 _SEQ_PAGE = 10_000
 
@@ -192,9 +205,92 @@ def _jsonl_line(record: EventRecord | MetricRecord) -> str:
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 
-def _as_storage_error(err: Exception, run_id: str) -> StorageError:
+def _as_storage_error(
+    err: Exception, run_id: str, *, action: str = "record events/metrics of"
+) -> StorageError:
     if isinstance(err, StorageError):
         return err
-    wrapped = StorageError(f"cannot record events/metrics of run {run_id}: {type(err).__name__}: {err}")
+    wrapped = StorageError(f"cannot {action} run {run_id}: {type(err).__name__}: {err}")
     wrapped.__cause__ = err
     return wrapped
+
+
+# --------------------------------------------------------------------------- heartbeat
+
+
+def heartbeat_interval_s() -> float:
+    """Seconds between heartbeats: `$ROLLOUT_HEARTBEAT_S`, else 5."""
+    raw = os.environ.get(HEARTBEAT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_HEARTBEAT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"${HEARTBEAT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+class Heartbeat:
+    """Stamps a running run's `heartbeat_at` every `interval_s` seconds from a background thread.
+
+    A failed beat must not stop training (the store may be back before any reader's
+    timeout), so it is kept in `error`, counted in `failures`, and reported on
+    stderr once per streak of failures; the thread keeps beating.
+    """
+
+    def __init__(self, store: Store, run_id: str, *, interval_s: float | None = None) -> None:
+        self.interval_s = heartbeat_interval_s() if interval_s is None else interval_s
+        if not self.interval_s > 0:
+            raise ConfigError(f"heartbeat interval must be > 0 seconds, got {self.interval_s}")
+        self.error: StorageError | None = None
+        self.failures = 0
+        self._store = store
+        self._run_id = run_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat_until_stopped, name=f"heartbeat-{run_id}", daemon=True
+        )
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating; returns once the thread is gone (at most one store call later). Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _beat_until_stopped(self) -> None:
+        failing, warned_not_running = False, False
+        while not self._stop.wait(self.interval_s):
+            try:
+                running = self._store.heartbeat(self._run_id)
+            except Exception as err:  # kept, counted and reported; training goes on
+                self.error = _as_storage_error(err, self._run_id, action="record the heartbeat of")
+                self.failures += 1
+                if not failing:
+                    _warn(f"{self.error} (retrying every {self.interval_s:g} s)")
+                failing = True
+                continue
+            failing = False
+            if not running and not warned_not_running:
+                # A reader saw no heartbeat for its timeout (a long stall?) and marked the run crashed;
+                # the run's final status still overwrites that when it ends.
+                _warn(f"run {self._run_id} is no longer `running` in the store; heartbeats have no effect")
+                warned_not_running = True
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()

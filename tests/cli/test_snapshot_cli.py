@@ -1,14 +1,19 @@
-"""`rollout snapshot ...` through the installed console script, on a real SQLite store."""
+"""`rollout snapshot ...` through the installed console script, on a real SQLite store.
+
+Tables are read under a pseudo-terminal (`cli_terminal`); piped output and `--json` are JSON.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_terminal import run_in_terminal, table_rows
 
 from rollout.snapshots import Blob, commit_snapshot
 from rollout.store import FsObjectStore, open_store
@@ -17,12 +22,15 @@ ROLLOUT = Path(sys.executable).parent / "rollout"
 LIST_KEYS = {"id", "run_id", "kind", "step", "label", "parent_id", "created_at", "metadata"}
 
 
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+
+
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-    full_env.update(env or {})
     return subprocess.run(
-        [str(ROLLOUT), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120
-    )
+        [str(ROLLOUT), *args], cwd=cwd, env={**clean_env(), **(env or {})}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -72,6 +80,44 @@ def test_list_is_newest_first_json(workspace):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert [(s["run_id"], s["step"]) for s in json.loads(result.stdout)] == [(run_a, 4), (run_a, 3)]
+
+
+def test_list_table_on_a_terminal(workspace):
+    root, run_a, run_b, committed = workspace
+    rows = table_rows(run_in_terminal([str(ROLLOUT), "snapshot", "list"], cwd=root, env=clean_env()))
+    assert rows[0] == ["id", "kind", "run", "step", "label", "age", "size"]
+    assert [row[0] for row in rows[1:]] == [r.id[:12] for r in reversed(committed)]  # newest first
+    labeled = rows[-1]  # run A's step 1, the oldest
+    assert labeled[:5] == [committed[0].id[:12], "train_state", run_a[:10], "1", "warm"]
+    assert re.fullmatch(r"\d+s ago", labeled[5]) and labeled[6] == f"{len(f'{run_a}/train_state/1')} B"
+    assert rows[3][:4] == [committed[3].id[:12], "train_state", run_b[:10], "1"]
+
+
+def test_show_tables_on_a_terminal(workspace):
+    root, run_a, _, committed = workspace
+    record = committed[2]  # run A's buffer at step 2
+    text = run_in_terminal([str(ROLLOUT), "snapshot", "show", record.id[:8]], cwd=root, env=clean_env())
+    rows = table_rows(text)
+    fields = {row[0]: row[1:] for row in rows}
+    assert fields["id"] == [record.id] and fields["kind"] == ["buffer"] and fields["run"] == [run_a]
+    assert fields["step"] == ["2"] and fields["metadata"] == ['{"step": 2}']
+    size = f"{len(f'{run_a}/buffer/2')} B"
+    assert fields["size"] == [size]
+    blob = record.manifest["blobs"]["state"]
+    assert rows[-1] == ["state", blob["digest"][:12], size, 'format="json"']  # the blobs table
+
+
+def test_json_on_a_terminal_with_the_flag(workspace):
+    root, *_ = workspace
+    listed = json.loads(
+        run_in_terminal([str(ROLLOUT), "snapshot", "list", "--json"], cwd=root, env=clean_env())
+    )
+    assert listed == json.loads(run_cli("snapshot", "list", cwd=root).stdout)
+    assert all(set(s) == LIST_KEYS for s in listed)
+    shown = run_in_terminal(
+        [str(ROLLOUT), "snapshot", "show", listed[0]["id"], "--json"], cwd=root, env=clean_env()
+    )
+    assert json.loads(shown) == json.loads(run_cli("snapshot", "show", listed[0]["id"], cwd=root).stdout)
 
 
 def test_storage_path_from_environment(workspace, tmp_path_factory):

@@ -6,14 +6,16 @@ import math
 import multiprocessing
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from rollout.errors import RunNotFound, SnapshotNotFound, StorageError
-from rollout.store import EventRecord, MetricRecord, SnapshotRecord, open_store
+from rollout.store import TERMINAL_RUN_STATUSES, EventRecord, MetricRecord, SnapshotRecord, open_store
 from rollout.store import sql as sql_module
 from rollout.store.sql import MIGRATIONS, apply_migrations
 
@@ -106,6 +108,143 @@ def test_list_runs_newest_first_with_filters(store):
     assert [r.name for r in store.list_runs(limit=2)] == ["r3", "r2"]
     assert [r.name for r in store.list_runs(status="succeeded")] == ["r3", "r1"]
     assert store.list_runs(status="cancelled") == []
+
+
+def test_get_run_by_unique_prefix(store):
+    insert_run_rows(store, ["01AAAAAAAA" + "B" * 16, "01AAAAAAAA" + "C" * 16, "01AAAAAAAD" + "E" * 16])
+    assert store.get_run("01AAAAAAAD").id == "01AAAAAAAD" + "E" * 16  # the time part is enough when unique
+    assert store.get_run("01aaaaaaaab").id == "01AAAAAAAA" + "B" * 16  # any case, like ULIDs
+    with pytest.raises(RunNotFound, match="run not found: 01AAAAAAAA is an ambiguous prefix"):
+        store.get_run("01AAAAAAAA")
+    for missing in ("01AAAAAAA", "01AAAAAAAF", "01AAAAAAA%", "01AAAAAAAA" + "B" * 17):
+        with pytest.raises(RunNotFound, match=f"run not found: {missing}$"):
+            store.get_run(missing)
+
+
+def insert_run_rows(store, ids: list[str]) -> None:
+    """Runs with chosen ids (create_run draws them), to test prefixes deterministically."""
+    with store._engine.begin() as conn:
+        for run_id in ids:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO runs (id, algorithm, config_digest, config_json, status, created_at)"
+                    " VALUES (:id, 'sft', 'd', '{}', 'pending', 1.0)"
+                ),
+                {"id": run_id},
+            )
+
+
+# -- liveness: heartbeats and crashed runs -------------------------------------
+
+
+def age_run(store, run_id: str, seconds: float) -> None:
+    """Move a run's timestamps `seconds` into the past, as if its process went quiet then."""
+    with store._engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE runs SET created_at = created_at - :s, started_at = started_at - :s,"
+                " heartbeat_at = heartbeat_at - :s, ended_at = ended_at - :s WHERE id = :id"
+            ),
+            {"s": seconds, "id": run_id},
+        )
+
+
+def test_heartbeat_stamps_running_runs_only(store):
+    run = make_run(store)
+    assert store.heartbeat(run.id) is False and store.get_run(run.id).heartbeat_at is None  # pending
+    store.set_run_status(run.id, "running")
+    started = store.get_run(run.id)
+    assert started.heartbeat_at is not None and started.heartbeat_at >= started.started_at
+    time.sleep(0.01)
+    assert store.heartbeat(run.id) is True
+    beat = store.get_run(run.id).heartbeat_at
+    assert beat > started.heartbeat_at
+    store.set_run_status(run.id, "succeeded")
+    assert store.heartbeat(run.id) is False and store.get_run(run.id).heartbeat_at == beat
+    assert store.heartbeat("no-such-run") is False
+
+
+def test_mark_crashed_marks_only_stale_running_runs(store):
+    assert "crashed" in TERMINAL_RUN_STATUSES
+    runs = {
+        name: make_run(store, name=name) for name in ("fresh", "stale", "legacy", "pending", "done", "failed")
+    }
+    for name in ("fresh", "stale", "legacy", "done", "failed"):
+        store.set_run_status(runs[name].id, "running")
+    store.set_run_status(runs["done"].id, "succeeded")
+    store.set_run_status(runs["failed"].id, "failed", error="boom")
+    for name in ("stale", "legacy", "pending", "done", "failed"):
+        age_run(store, runs[name].id, 120.0)
+    with store._engine.begin() as conn:  # a run started before heartbeats existed: only started_at
+        conn.execute(sa.text("UPDATE runs SET heartbeat_at = NULL WHERE id = :id"), {"id": runs["legacy"].id})
+    before = {name: store.get_run(run.id) for name, run in runs.items()}
+
+    crashed = store.mark_crashed(timeout_s=60.0)
+
+    assert crashed == sorted([runs["stale"].id, runs["legacy"].id])
+    for name in ("stale", "legacy"):
+        after = store.get_run(runs[name].id)
+        assert (after.status, after.error) == ("crashed", "no heartbeat for 60 s (process died?)")
+        # ended_at is the last sign of life, so the duration is how long it really ran
+        assert after.ended_at == (before[name].heartbeat_at or before[name].started_at)
+    for name in ("fresh", "pending", "done", "failed"):
+        assert store.get_run(runs[name].id) == before[name]
+    assert store.mark_crashed(timeout_s=60.0) == []  # marked once
+    assert store.heartbeat(runs["stale"].id) is False  # a late beat does not revive it
+    assert [r.name for r in store.list_runs(status="crashed")] == ["legacy", "stale"]
+    assert store.mark_crashed(timeout_s=1000.0) == []
+
+
+def test_concurrent_markers_mark_each_run_once(store):
+    stale = [make_run(store).id for _ in range(20)]
+    for run_id in stale:
+        store.set_run_status(run_id, "running")
+        age_run(store, run_id, 300.0)
+    barrier = threading.Barrier(4)
+    results: list[list[str]] = []
+
+    def mark() -> None:
+        barrier.wait()
+        results.append(store.mark_crashed(timeout_s=60.0))
+
+    threads = [threading.Thread(target=mark) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(run_id for found in results for run_id in found) == sorted(stale)
+
+
+def test_summarize_runs_in_batches(store, monkeypatch):
+    busy, quiet = make_run(store, "busy"), make_run(store, "quiet")
+    store.append_metrics(
+        [MetricRecord(busy.id, s, "train/loss", 1.0 / s) for s in (1, 2, 3)]
+        + [
+            MetricRecord(busy.id, 2, "rollout/reward_mean", math.nan),
+            MetricRecord(busy.id, 5, "train/lr", 0.1),
+        ]
+    )
+    for step, kind, created_at in [(1, "train_state", 1.0), (2, "train_state", 2.0), (3, "buffer", 3.0)]:
+        store.add_snapshot(
+            make_snapshot(busy.id, f"{step:02d}" * 32, step=step, kind=kind, created_at=created_at)
+        )
+    monkeypatch.setattr(sql_module, "_IN_CHUNK", 1)  # one run per chunk: chunking loses nothing
+
+    summaries = store.summarize_runs(
+        [busy.id, quiet.id, busy.id, "no-such-run"], metric_names=["rollout/reward_mean", "train/loss"]
+    )
+
+    assert set(summaries) == {busy.id, quiet.id}
+    summary = summaries[busy.id]
+    assert (summary.last_step, summary.last_train_state_id) == (5, "02" * 32)
+    assert summary.latest["train/loss"] == pytest.approx(1 / 3) and math.isnan(
+        summary.latest["rollout/reward_mean"]
+    )
+    assert set(summary.latest) == {"train/loss", "rollout/reward_mean"}
+    assert (summaries[quiet.id].last_step, summaries[quiet.id].latest) == (None, {})
+    assert summaries[quiet.id].last_train_state_id is None
+    assert store.summarize_runs([busy.id], metric_names=[])[busy.id].latest == {}
+    assert store.summarize_runs([], metric_names=["train/loss"]) == {}
 
 
 # -- events and metrics -------------------------------------------------------
@@ -252,6 +391,33 @@ def test_postgres_migrations_apply_once(pg_dsn):
     open_store("postgres", dsn=pg_dsn).close()
     store = open_store("postgres", dsn=pg_dsn)
     assert_migrated_once(store)
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_version_1_store_gains_heartbeats(backend, tmp_path, monkeypatch, request):
+    def opened():
+        if backend == "sqlite":
+            return open_store("embedded", path=tmp_path / "old.db")
+        return open_store("postgres", dsn=request.getfixturevalue("pg_dsn"))
+
+    monkeypatch.setattr(sql_module, "MIGRATIONS", MIGRATIONS[:1])
+    old = opened()
+    run_id = "01AAAAAAAA" + "V" * 16
+    insert_run_rows(old, [run_id])  # what a version-1 rollout wrote: no heartbeat column
+    with old._engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE runs SET status = 'running', started_at = :t WHERE id = :id"),
+            {"t": time.time() - 120.0, "id": run_id},
+        )
+    old.close()
+    monkeypatch.undo()
+
+    store = opened()
+    assert_migrated_once(store)
+    migrated = store.get_run(run_id)
+    assert (migrated.status, migrated.heartbeat_at) == ("running", None)
+    assert store.mark_crashed(timeout_s=60.0) == [run_id]  # a v1 run that died: judged by started_at
     store.close()
 
 

@@ -56,7 +56,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     The snapshot to resume from is resolved *before* the run row exists, so an
     unknown id fails cleanly (`snapshot not found: <id>`) without a stray run.
     """
-    from rollout.observe import RunRecorder
+    from rollout.observe import Heartbeat, RunRecorder
 
     store, objects = open_stores(cfg)
     resume_from, resume_state = None, None
@@ -82,27 +82,30 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
     recorder = RunRecorder(store, run.id, run_dir / "events.jsonl")
+    heartbeat = Heartbeat(store, run.id)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state)
     store.set_run_status(run.id, "running")
+    heartbeat.start()
     try:
         yield ctx
     except KeyboardInterrupt:
-        _end(ctx, "cancelled", "interrupted")
+        _end(ctx, heartbeat, "cancelled", "interrupted")
         raise
     except RolloutError as err:
-        _end(ctx, "failed", str(err))
+        _end(ctx, heartbeat, "failed", str(err))
         raise
     except BaseException as err:
-        _end(ctx, "failed", f"{type(err).__name__}: {err}")
+        _end(ctx, heartbeat, "failed", f"{type(err).__name__}: {err}")
         raise
     else:
-        _end(ctx, "succeeded", None)
+        _end(ctx, heartbeat, "succeeded", None)
 
 
-def _end(ctx: RunContext, status: str, error: str | None) -> None:
+def _end(ctx: RunContext, heartbeat: Any, status: str, error: str | None) -> None:
     try:
         ctx.recorder.close()
     finally:
+        heartbeat.stop()  # after the recorder's last flush, before the final status
         ctx.store.set_run_status(ctx.run.id, status, error=error)  # type: ignore[arg-type]
         ctx.store.close()
 
@@ -328,8 +331,13 @@ async def snapshot_backend(
     return record.id
 
 
-def build_torch_backend(model: Any, settings: Any, *, total_steps: int, device: Any) -> Any:
-    """Optimizer, lr schedule and TorchBackend from an algorithm block (`settings`)."""
+def build_torch_backend(
+    model: Any, settings: Any, *, total_steps: int, device: Any, param_groups: list[dict[str, Any]] | None = None
+) -> Any:
+    """Optimizer, lr schedule and TorchBackend from an algorithm block (`settings`).
+
+    `param_groups` (torch's form, a group's "lr" being its peak lr) replaces `model.parameters()`.
+    """
     from rollout.backends.torch_backend import TorchBackend, lr_multiplier, make_lr_schedule, make_optimizer
 
     opt, sched = settings.optimizer, settings.scheduler
@@ -337,7 +345,8 @@ def build_torch_backend(model: Any, settings: Any, *, total_steps: int, device: 
         hyper = {"betas": opt.betas, "eps": opt.eps}
     else:
         hyper = {"momentum": opt.momentum, "nesterov": opt.nesterov}
-    optimizer = make_optimizer(model.parameters(), kind=opt.kind, lr=opt.lr, weight_decay=opt.weight_decay, **hyper)
+    params = param_groups if param_groups is not None else model.parameters()
+    optimizer = make_optimizer(params, kind=opt.kind, lr=opt.lr, weight_decay=opt.weight_decay, **hyper)
     scheduler = make_lr_schedule(
         optimizer,
         lambda i: lr_multiplier(

@@ -21,6 +21,7 @@ from rollout.store.base import (
     MetricRecord,
     RunRecord,
     RunStatus,
+    RunSummary,
     SnapshotRecord,
     Store,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "ObjectStore",
     "RunRecord",
     "RunStatus",
+    "RunSummary",
     "SnapshotRecord",
     "SqlStore",
     "Store",

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
-RunStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+# `crashed`: a `running` run whose heartbeat went stale (its process died without a last word);
+# readers mark it with `Store.mark_crashed`, the run itself never writes it.
+RunStatus = Literal["pending", "running", "succeeded", "failed", "cancelled", "crashed"]
 
 RUN_STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
-TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "crashed"})
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class RunRecord:
     error: str | None
     resumed_from: str | None  # a snapshot id
     name: str | None
+    heartbeat_at: float | None = None  # last sign of life while running (see `Store.heartbeat`)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,16 @@ class SnapshotRecord:
     metadata: dict  # free-form, not part of the id
 
 
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run listing shows besides the record (`Store.summarize_runs`)."""
+
+    run_id: str
+    last_step: int | None  # the highest step with any metric
+    latest: dict[str, float]  # each requested metric name at its own last step (absent if never logged)
+    last_train_state_id: str | None  # the newest train_state snapshot: where a resume would start
+
+
 class Store(Protocol):
     """Runs, events, metrics and snapshot rows. Implemented by `SqlStore`."""
 
@@ -78,11 +91,26 @@ class Store(Protocol):
         ...
 
     def set_run_status(self, run_id: str, status: RunStatus, *, error: str | None = None) -> None:
-        """Move a run to `status`; stamps `started_at` on `running`, `ended_at` on a terminal status."""
+        """Move a run to `status`.
+
+        `running` stamps `started_at` (once) and `heartbeat_at`; a terminal status stamps `ended_at`.
+        """
+        ...
+
+    def heartbeat(self, run_id: str) -> bool:
+        """Set the run's `heartbeat_at` to now if it is `running`; returns whether it was."""
+        ...
+
+    def mark_crashed(self, *, timeout_s: float) -> list[str]:
+        """Mark `crashed` every running run with no heartbeat (else start) for `timeout_s`; returns their ids.
+
+        One conditional statement, so a heartbeat that lands first keeps its run alive
+        and two readers marking at once mark each run once.
+        """
         ...
 
     def get_run(self, run_id: str) -> RunRecord:
-        """The run with this id, or `RunNotFound`."""
+        """By full id or a unique prefix of >= 10 chars (the ULID's time part), else `RunNotFound`."""
         ...
 
     def list_runs(self, *, limit: int | None = None, status: str | None = None) -> list[RunRecord]:
@@ -107,6 +135,10 @@ class Store(Protocol):
 
     def final_metrics(self, run_id: str) -> dict[str, float]:
         """Each metric name's value at its last step."""
+        ...
+
+    def summarize_runs(self, run_ids: Sequence[str], *, metric_names: Sequence[str]) -> dict[str, RunSummary]:
+        """A `RunSummary` per known run id, for listings: a fixed number of queries, not one per run."""
         ...
 
     def add_snapshot(self, record: SnapshotRecord) -> None:

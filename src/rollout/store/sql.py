@@ -36,6 +36,7 @@ from rollout.store.base import (
     MetricRecord,
     RunRecord,
     RunStatus,
+    RunSummary,
     SnapshotRecord,
 )
 
@@ -43,6 +44,8 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 PG_CONNECT_TIMEOUT_S = 5
 PG_MIGRATION_LOCK_KEY = 0x726F6C6C  # "roll": an arbitrary, fixed advisory-lock key
 _HEX_PREFIX = re.compile(r"[0-9a-f]{8,64}")
+_ULID_PREFIX = re.compile(r"[0-9A-HJKMNP-TV-Z]{10,25}")  # Crockford base32; 10 chars = the time part
+_IN_CHUNK = 500
 _DELETE_CHUNK = 500
 
 _CREATE_MIGRATIONS_TABLE = (
@@ -92,6 +95,12 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX ix_snapshots_run_kind_step ON snapshots (run_id, kind, step)",
         "CREATE INDEX ix_snapshots_created_at ON snapshots (created_at)",
     ),
+    (
+        # Liveness of running runs (see `SqlStore.mark_crashed`).
+        "ALTER TABLE runs ADD COLUMN heartbeat_at DOUBLE PRECISION",
+        # A metric's last step per run without scanning the run's other metrics (listings).
+        "CREATE INDEX ix_metrics_run_name_step ON metrics (run_id, name, step)",
+    ),
 ]
 
 
@@ -103,7 +112,8 @@ def _table(name: str, columns: str) -> sa.TableClause:
 _migrations = _table("schema_migrations", "version applied_at")
 _runs = _table(
     "runs",
-    "id algorithm config_digest config_json status created_at started_at ended_at error resumed_from name",
+    "id algorithm config_digest config_json status created_at started_at ended_at error resumed_from name"
+    " heartbeat_at",
 )
 _events = _table("events", "run_id seq time name fields")
 _metrics = _table("metrics", "run_id step name value")
@@ -163,6 +173,7 @@ class SqlStore:
         values: dict[str, Any] = {"status": status}
         if status == "running":
             values["started_at"] = sa.func.coalesce(_runs.c.started_at, now)
+            values["heartbeat_at"] = now
         if status in TERMINAL_RUN_STATUSES:
             values["ended_at"] = now
         if error is not None:
@@ -172,9 +183,56 @@ class SqlStore:
         if updated == 0:
             raise RunNotFound(f"run not found: {run_id}")
 
+    def heartbeat(self, run_id: str) -> bool:
+        statement = (
+            _runs.update()
+            .where(_runs.c.id == run_id, _runs.c.status == "running")
+            .values(heartbeat_at=time.time())
+        )
+        with self._write("record a heartbeat") as conn:
+            return conn.execute(statement).rowcount > 0
+
+    def mark_crashed(self, *, timeout_s: float) -> list[str]:
+        now = time.time()
+        last_alive = sa.func.coalesce(_runs.c.heartbeat_at, _runs.c.started_at, _runs.c.created_at)
+        stale = sa.and_(_runs.c.status == "running", last_alive < now - timeout_s)
+        # A read first: the common case (nothing stale) takes no write lock, and works on a read-only store.
+        with self._read("look for crashed runs") as conn:
+            if conn.execute(sa.select(_runs.c.id).where(stale).limit(1)).first() is None:
+                return []
+        # The UPDATE re-checks `stale` row by row under the write lock, so a heartbeat or a final
+        # status that landed since the read wins, and concurrent markers mark each run once.
+        statement = (
+            _runs.update()
+            .where(stale)
+            .values(
+                status="crashed",
+                ended_at=last_alive,  # the last sign of life, so durations show how long it really ran
+                error=f"no heartbeat for {timeout_s:g} s (process died?)",
+            )
+            .returning(_runs.c.id)
+        )
+        with self._write("mark crashed runs") as conn:
+            return sorted(run_id for (run_id,) in conn.execute(statement))
+
     def get_run(self, run_id: str) -> RunRecord:
         with self._read("read a run") as conn:
             row = conn.execute(sa.select(_runs).where(_runs.c.id == run_id)).mappings().first()
+            prefix = run_id.strip().upper()
+            if row is None and _ULID_PREFIX.fullmatch(prefix):
+                # A prefix is the id range [prefix, prefix + "ZZZ…"], like snapshot prefixes.
+                query = (
+                    sa.select(_runs)
+                    .where(_runs.c.id >= prefix, _runs.c.id <= prefix + "Z" * (26 - len(prefix)))
+                    .limit(2)
+                )
+                rows = conn.execute(query).mappings().all()
+                if len(rows) > 1:
+                    raise RunNotFound(
+                        f"run not found: {run_id} is an ambiguous prefix (matches several runs)",
+                        details=["give more characters of the id"],
+                    )
+                row = rows[0] if rows else None
         if row is None:
             raise RunNotFound(f"run not found: {run_id}")
         return RunRecord(**row)
@@ -263,6 +321,62 @@ class SqlStore:
         )
         with self._read("read final metrics") as conn:
             return {name: _read_float(value) for name, value in conn.execute(query)}
+
+    def summarize_runs(self, run_ids: Sequence[str], *, metric_names: Sequence[str]) -> dict[str, RunSummary]:
+        # Per chunk of runs, two statements: one row per run (correlated subqueries, each an index
+        # seek), and each named metric's last value (a join on max(step), ix_metrics_run_name_step).
+        last_step = (  # ORDER BY ... LIMIT 1 rather than max(): one backward step on the primary key
+            sa.select(_metrics.c.step)
+            .where(_metrics.c.run_id == _runs.c.id)
+            .order_by(_metrics.c.step.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+        last_train_state = (
+            sa.select(_snapshots.c.id)
+            .where(_snapshots.c.run_id == _runs.c.id, _snapshots.c.kind == "train_state")
+            .order_by(_snapshots.c.created_at.desc(), _snapshots.c.step.desc(), _snapshots.c.id)
+            .limit(1)
+            .scalar_subquery()
+        )
+        unique = sorted(set(run_ids))
+        summaries: dict[str, RunSummary] = {}
+        with self._read(f"summarize {len(unique)} runs") as conn:
+            for start in range(0, len(unique), _IN_CHUNK):
+                chunk = unique[start : start + _IN_CHUNK]
+                latest: dict[str, dict[str, float]] = {run_id: {} for run_id in chunk}
+                if metric_names:
+                    last = (
+                        sa.select(
+                            _metrics.c.run_id, _metrics.c.name, sa.func.max(_metrics.c.step).label("step")
+                        )
+                        .where(_metrics.c.run_id.in_(chunk), _metrics.c.name.in_(list(metric_names)))
+                        .group_by(_metrics.c.run_id, _metrics.c.name)
+                        .subquery()
+                    )
+                    values = sa.select(_metrics.c.run_id, _metrics.c.name, _metrics.c.value).join(
+                        last,
+                        sa.and_(
+                            _metrics.c.run_id == last.c.run_id,
+                            _metrics.c.name == last.c.name,
+                            _metrics.c.step == last.c.step,
+                        ),
+                    )
+                    for run_id, name, value in conn.execute(values):
+                        latest[run_id][name] = _read_float(value)
+                rows = conn.execute(
+                    sa.select(
+                        _runs.c.id, last_step.label("last_step"), last_train_state.label("snapshot_id")
+                    ).where(_runs.c.id.in_(chunk))
+                )
+                for run_id, step, snapshot_id in rows:
+                    summaries[run_id] = RunSummary(
+                        run_id=run_id,
+                        last_step=None if step is None else int(step),
+                        latest=latest[run_id],
+                        last_train_state_id=snapshot_id,
+                    )
+        return summaries
 
     # -- snapshots ----------------------------------------------------------
 
