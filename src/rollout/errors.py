@@ -50,3 +50,7 @@ class SnapshotNotFound(StorageError):
 
 class AlgorithmError(RolloutError):
     """The algorithm can't proceed (e.g. loss became NaN, resume from the wrong kind)."""
+
+
+class EvalNotFound(StorageError):
+    """No eval matches the given id or prefix (or the prefix is ambiguous)."""

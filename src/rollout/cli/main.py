@@ -37,6 +37,7 @@ app = typer.Typer(
 
 def _register() -> None:
     from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
+    from rollout.cli import eval as eval_cli
 
     config_cmds.register(app)
     app.add_typer(train.app, name="train")
@@ -46,6 +47,7 @@ def _register() -> None:
     app.add_typer(runs.runs_app, name="runs")
     app.add_typer(runs.logs_app, name="logs")
     app.add_typer(infer.app, name="infer")
+    app.add_typer(eval_cli.app, name="eval")
     serve.register(app)
 
 

@@ -54,6 +54,7 @@ class OpenAIEngine:
         max_concurrency: int = 16,
         timeout_s: float = 600.0,
         token_ids: bool = True,
+        max_retries: int = 3,
     ) -> None:
         try:
             import openai
@@ -67,7 +68,7 @@ class OpenAIEngine:
             base_url=self.base_url,
             api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
             timeout=timeout_s,
-            max_retries=3,
+            max_retries=max_retries,  # the openai client's own retries (0: the caller retries)
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-openai")
         self._version = 0

@@ -1,8 +1,9 @@
 """Records and the metadata-store interface.
 
-A `Store` keeps runs, their events and metrics, and snapshot rows (the bytes
-live in an `ObjectStore`, see `objects.py`). Every write API takes a batch
-(SPEC principle 3); times are float epoch seconds.
+A `Store` keeps runs, their events and metrics, snapshot rows (the bytes
+live in an `ObjectStore`, see `objects.py`), and evals with one row per
+sample. Every write API takes a batch (SPEC principle 3); times are float
+epoch seconds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ RunStatus = Literal["pending", "running", "succeeded", "failed", "cancelled", "c
 
 RUN_STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "crashed"})
+
+# An eval's lifecycle is a run's: `crashed` once a `running` eval's heartbeat goes stale.
+EvalStatus = RunStatus
+EVAL_STATUSES = RUN_STATUSES
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,98 @@ class RunSummary:
     last_train_state_id: str | None  # the newest train_state snapshot: where a resume would start
 
 
+@dataclass(frozen=True)
+class EvalRecord:
+    """One `rollout eval`: what was evaluated on what, how it was sampled, and the summary.
+
+    `config_json` is the eval's full config (never an API key): `rollout eval --resume`
+    rebuilds the eval from it. `summary` is `{"n_prompts", "n_samples", "ks", "metrics",
+    "not_computable"}` once the eval has finished (see `rollout.eval.metrics.EvalSummary`).
+    """
+
+    id: str  # ULID
+    name: str | None
+    status: EvalStatus
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    heartbeat_at: float | None
+    model: str  # as the user named it: a folder, `snapshot:<id>`, or `<base_url> <served name>`
+    model_identity: str | None  # files:<blake3> | snapshot:<id> | openai:<url>:<name>
+    engine: str  # hf | openai
+    env: str  # built-in env name or module:attr
+    data_path: str | None
+    data_digest: str | None  # blake3 of the data file's bytes
+    n_prompts: int
+    n: int  # samples per prompt
+    seed: int
+    success_threshold: float
+    sampling: dict  # temperature, top_p, max_tokens, stop, max_turns
+    config_json: str
+    run_id: str | None = None  # set for an eval during training
+    step: int | None = None
+    summary: dict | None = None
+    timings: dict | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalSampleRecord:
+    """One scored sample of an eval: prompt `prompt_index` (0-based data row), sample `sample_index`.
+
+    `messages` is the whole episode as chat messages (the env's opening messages, then each
+    assistant turn and env reply); `completion` is the last assistant message's text.
+    `failed` marks a sample that could not be produced (the engine kept failing): its reward
+    is None and `error` says why. Token counts sum over the episode's turns; `truncated` is
+    true when a turn hit max_tokens or the episode hit max_turns.
+    """
+
+    prompt_index: int
+    sample_index: int
+    seed: int
+    reward: float | None
+    success: bool
+    failed: bool
+    answer: str | None
+    completion: str | None
+    messages: list[dict]
+    turns: int
+    tool_calls: int
+    finish_reason: str | None  # the last turn's (stop | length | cancelled), max_turns, or None if failed
+    prompt_tokens: int
+    completion_tokens: int
+    truncated: bool
+    error: str | None = None
+    created_at: float = 0.0
+
+    def to_dict(self) -> dict:
+        """The JSON-able row, as `rollout eval --output` writes it (the eval id added by the caller)."""
+        return {name: getattr(self, name) for name in EVAL_SAMPLE_FIELDS}
+
+
+EVAL_SAMPLE_FIELDS: tuple[str, ...] = (
+    "prompt_index",
+    "sample_index",
+    "seed",
+    "reward",
+    "success",
+    "failed",
+    "answer",
+    "completion",
+    "messages",
+    "turns",
+    "tool_calls",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "truncated",
+    "error",
+    "created_at",
+)
+
+
 class Store(Protocol):
-    """Runs, events, metrics and snapshot rows. Implemented by `SqlStore`."""
+    """Runs, events, metrics, snapshot rows, evals and their samples. Implemented by `SqlStore`."""
 
     def create_run(
         self,
@@ -157,6 +252,70 @@ class Store(Protocol):
 
     def delete_snapshots(self, ids: Sequence[str]) -> int:
         """Delete snapshot rows (not blobs); returns how many rows went."""
+        ...
+
+    def create_eval(
+        self,
+        *,
+        model: str,
+        model_identity: str | None,
+        engine: str,
+        env: str,
+        data_path: str | None,
+        data_digest: str | None,
+        n_prompts: int,
+        n: int,
+        seed: int,
+        success_threshold: float,
+        sampling: dict,
+        config_json: str,
+        name: str | None = None,
+        run_id: str | None = None,
+        step: int | None = None,
+    ) -> EvalRecord:
+        """Insert a new eval with a fresh ULID id and status `pending`."""
+        ...
+
+    def set_eval_status(
+        self,
+        eval_id: str,
+        status: EvalStatus,
+        *,
+        error: str | None = None,
+        summary: dict | None = None,
+        timings: dict | None = None,
+    ) -> None:
+        """Move an eval to `status` (stamps like `set_run_status`); `running` clears a previous error."""
+        ...
+
+    def eval_heartbeat(self, eval_id: str) -> bool:
+        """Set the eval's `heartbeat_at` to now if it is `running`; returns whether it was."""
+        ...
+
+    def mark_crashed_evals(self, *, timeout_s: float) -> list[str]:
+        """`mark_crashed` for evals: running evals silent for `timeout_s` become `crashed`."""
+        ...
+
+    def get_eval(self, eval_id: str) -> EvalRecord:
+        """By full id or a unique prefix of >= 10 chars, else `EvalNotFound`."""
+        ...
+
+    def list_evals(
+        self, *, limit: int | None = None, status: str | None = None, run_id: str | None = None
+    ) -> list[EvalRecord]:
+        """Evals, newest first."""
+        ...
+
+    def add_eval_samples(self, eval_id: str, samples: Sequence[EvalSampleRecord]) -> None:
+        """Insert a batch of samples in one transaction; a (prompt, sample) already stored is kept as is."""
+        ...
+
+    def read_eval_samples(self, eval_id: str) -> list[EvalSampleRecord]:
+        """An eval's samples ordered by (prompt_index, sample_index)."""
+        ...
+
+    def count_eval_samples(self, eval_ids: Sequence[str]) -> dict[str, int]:
+        """How many samples each eval has stored (evals with none are absent)."""
         ...
 
     def close(self) -> None:

@@ -28,10 +28,14 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from ulid import ULID
 
-from rollout.errors import RunNotFound, SnapshotNotFound, StorageError
+from rollout.errors import EvalNotFound, RunNotFound, SnapshotNotFound, StorageError
+from rollout.store import sql_evals
 from rollout.store.base import (
     RUN_STATUSES,
     TERMINAL_RUN_STATUSES,
+    EvalRecord,
+    EvalSampleRecord,
+    EvalStatus,
     EventRecord,
     MetricRecord,
     RunRecord,
@@ -101,6 +105,8 @@ MIGRATIONS: list[tuple[str, ...]] = [
         # A metric's last step per run without scanning the run's other metrics (listings).
         "CREATE INDEX ix_metrics_run_name_step ON metrics (run_id, name, step)",
     ),
+    # `rollout eval`: evals and one row per scored sample (see `sql_evals.py`).
+    sql_evals.EVAL_TABLES_MIGRATION,
 ]
 
 
@@ -434,6 +440,91 @@ class SqlStore:
                 chunk = unique[start : start + _DELETE_CHUNK]
                 deleted += conn.execute(_snapshots.delete().where(_snapshots.c.id.in_(chunk))).rowcount
         return deleted
+
+    # -- evals (statements in sql_evals.py) ---------------------------------
+
+    def create_eval(
+        self,
+        *,
+        model: str,
+        model_identity: str | None,
+        engine: str,
+        env: str,
+        data_path: str | None,
+        data_digest: str | None,
+        n_prompts: int,
+        n: int,
+        seed: int,
+        success_threshold: float,
+        sampling: dict,
+        config_json: str,
+        name: str | None = None,
+        run_id: str | None = None,
+        step: int | None = None,
+    ) -> EvalRecord:
+        record = sql_evals.new_eval_record(
+            model=model, model_identity=model_identity, engine=engine, env=env, data_path=data_path,
+            data_digest=data_digest, n_prompts=n_prompts, n=n, seed=seed,
+            success_threshold=success_threshold, sampling=sampling, config_json=config_json, name=name,
+            run_id=run_id, step=step,
+        )  # fmt: skip
+        with self._write("create an eval") as conn:
+            sql_evals.insert_eval(conn, record)
+        return record
+
+    def set_eval_status(
+        self,
+        eval_id: str,
+        status: EvalStatus,
+        *,
+        error: str | None = None,
+        summary: dict | None = None,
+        timings: dict | None = None,
+    ) -> None:
+        _check_status(status)
+        with self._write("update an eval's status") as conn:
+            updated = sql_evals.update_eval_status(
+                conn, eval_id, status, error=error, summary=summary, timings=timings
+            )
+        if updated == 0:
+            raise EvalNotFound(f"eval not found: {eval_id}")
+
+    def eval_heartbeat(self, eval_id: str) -> bool:
+        with self._write("record an eval heartbeat") as conn:
+            return sql_evals.stamp_eval_heartbeat(conn, eval_id)
+
+    def mark_crashed_evals(self, *, timeout_s: float) -> list[str]:
+        with self._read("look for crashed evals") as conn:  # no write lock in the common case
+            if not sql_evals.any_stale_eval(conn, timeout_s):
+                return []
+        with self._write("mark crashed evals") as conn:
+            return sql_evals.crash_stale_evals(conn, timeout_s)
+
+    def get_eval(self, eval_id: str) -> EvalRecord:
+        with self._read("read an eval") as conn:
+            return sql_evals.select_eval(conn, eval_id)
+
+    def list_evals(
+        self, *, limit: int | None = None, status: str | None = None, run_id: str | None = None
+    ) -> list[EvalRecord]:
+        if status is not None:
+            _check_status(status)
+        with self._read("list evals") as conn:
+            return sql_evals.select_evals(conn, limit=limit, status=status, run_id=run_id)
+
+    def add_eval_samples(self, eval_id: str, samples: Sequence[EvalSampleRecord]) -> None:
+        if not samples:
+            return
+        with self._write(f"add {len(samples)} eval samples") as conn:
+            sql_evals.insert_eval_samples(conn, self._insert, eval_id, samples)
+
+    def read_eval_samples(self, eval_id: str) -> list[EvalSampleRecord]:
+        with self._read("read eval samples") as conn:
+            return sql_evals.select_eval_samples(conn, eval_id)
+
+    def count_eval_samples(self, eval_ids: Sequence[str]) -> dict[str, int]:
+        with self._read("count eval samples") as conn:
+            return sql_evals.count_samples(conn, eval_ids)
 
     def close(self) -> None:
         self._engine.dispose()
