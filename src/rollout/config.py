@@ -416,6 +416,11 @@ class PPOConfig(_RLCommon):
     clip_ratio: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip.")
     clip_value: float = Field(0.2, gt=0, description="Value clip around the old values.")
     vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
+    value_lr: float | None = Field(
+        None, gt=0,
+        description="Peak learning rate of the value model (default: optimizer.lr). A critic that learns faster"
+        " than the policy gives a per-prompt baseline sooner (verl's critic lr, OpenRLHF's critic_learning_rate).",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
     kl_coef: float = Field(0.05, ge=0, description="KL penalty folded into the per-token reward.")

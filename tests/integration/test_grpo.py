@@ -15,6 +15,7 @@ from rollout.config import load_config
 from rollout.store import open_store
 
 N = 4
+RL_GAIN = 0.25
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
@@ -99,8 +100,8 @@ def test_unknown_reward_or_env_fails_validate(field, value, message, workspace, 
 
 @pytest.mark.slow
 def test_grpo_example_raises_held_out_reward(workspace, tmp_path_factory):
-    """From a partly trained SFT model (greedy accuracy ~30%), the example's budget raises the
-    mean reward of sampled completions on held-out prompts by >= 0.2 absolute."""
+    """From a partly trained SFT model (greedy ~65-80%, sampled ~31-33%), the example's budget raises
+    the mean reward of sampled completions on held-out prompts by >= GAIN absolute."""
     from rollout.algorithms.grpo import train_grpo
     from rollout.algorithms.sft import train_sft
     from rollout.inference.hf_engine import load_hf_engine
@@ -129,6 +130,5 @@ def test_grpo_example_raises_held_out_reward(workspace, tmp_path_factory):
     g0, m0 = held_out(warm_dir / "model")
     g1, m1 = held_out(rl_dir / "model")
     print(f"GRPO held-out: greedy accuracy {g0:.3f} -> {g1:.3f}, sampled mean reward {m0:.3f} -> {m1:.3f}")
-    assert 0.2 <= g0 <= 0.5  # the starting point is only partly trained
-    # Measured here (1 thread): 0.187 -> 0.518 (+0.331); with seed = 1, 0.187 -> 0.632 (+0.446).
-    assert m1 >= m0 + 0.2
+    assert g0 < 0.95 and m0 < 0.45  # the starting point is only partly trained
+    assert m1 >= m0 + RL_GAIN  # benchmarks/learning_grid.py: worst cell over seeds 0-4 x threads 1, 2 in the README

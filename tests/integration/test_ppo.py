@@ -14,6 +14,7 @@ from rollout.config import load_config
 from rollout.store import open_store
 
 N = 4
+RL_GAIN = 0.25
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
@@ -98,5 +99,4 @@ def test_ppo_example_raises_held_out_reward(workspace, tmp_path_factory):
 
     before, after = sampled_reward(warm_dir / "model"), sampled_reward(rl_dir / "model")
     print(f"PPO held-out sampled mean reward {before:.3f} -> {after:.3f}")
-    # Measured here (1 thread): 0.187 -> 0.548 (+0.361); with seed = 1, 0.187 -> 0.443 (+0.256).
-    assert after >= before + 0.2
+    assert after >= before + RL_GAIN  # benchmarks/learning_grid.py: worst cell in the README

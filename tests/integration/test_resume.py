@@ -82,7 +82,8 @@ CASES = {
         "keep_last = 3": "keep_last = 10",
     }),
     "rm-accum": ("rm-tiny.toml", {
-        "minibatch_size = 32": "minibatch_size = 4",
+        '"../local/models/sft-tiny"': '"../local/models/tiny"',
+        "minibatch_size = 64": "minibatch_size = 4",
         "gradient_accumulation = 1": "gradient_accumulation = 2",
         "max_steps = 400": f"max_steps = {N}",
         "every_steps = 200": f"every_steps = {N // 2}",

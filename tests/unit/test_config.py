@@ -23,7 +23,8 @@ def test_examples_validate_with_the_spec_block_shape(name):
     for block in ("base_model", "optimizer", "budget", "dataset", "packing", "loss_on"):
         assert getattr(s, block) is not None
     # relative paths resolve against the config's folder
-    assert s.base_model.uri == str((ROOT / "local/models/tiny").resolve())
+    start = {"sft": "tiny", "rm": "sft-tiny"}[kind]  # the RM starts from the SFT model
+    assert s.base_model.uri == str((ROOT / "local/models" / start).resolve())
     assert cfg.storage.embedded.path == (ROOT / "local/rollout.db").resolve()
     assert s.dataset.path.is_absolute()
 

@@ -30,3 +30,17 @@ def test_lambda_schedule_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.1, 0.2, 0.1])
+
+
+def test_param_groups_keep_their_own_peak_lr_under_one_schedule():
+    """PPO's `value_lr`: the value model's group has its own peak lr; the schedule scales both groups."""
+    policy, value = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    opt = make_optimizer([{"params": [policy, frozen]}, {"params": [value], "lr": 3e-3}], kind="adamw", lr=1e-3)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]  # frozen parameters are left out
+    sched = make_lr_schedule(opt, lambda i: lr_multiplier(i, kind="cosine", warmup_steps=0, total_steps=2,
+                                                         min_lr_ratio=0.1))
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-4, 3e-4])

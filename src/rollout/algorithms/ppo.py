@@ -148,7 +148,10 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
             ref_model = load_model(s.base_model.model_copy(update={"uri": ref_uri}), task="causal_lm",
                                    pad_token_id=pad_id, seed=cfg.seed).to(device).eval()
             ref_model.requires_grad_(False)
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    groups = None
+    if s.value_lr is not None:  # the value model learns at its own rate; the schedule scales both
+        groups = [{"params": list(policy.parameters())}, {"params": list(value.parameters()), "lr": s.value_lr}]
+    backend = build_torch_backend(model, s, total_steps=total_steps, device=device, param_groups=groups)
     static_blobs = model_file_blobs(policy, tokenizer)
     loop = await restore_or_start(ctx, backend)
     source = BatchSource(manager, engine, ctx, pipelined=s.off_policy_steps == 1)

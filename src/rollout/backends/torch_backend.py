@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -28,7 +28,7 @@ def pick_device(device: Literal["auto", "cpu", "cuda"]) -> torch.device:
 
 
 def make_optimizer(
-    params: Iterable[torch.nn.Parameter],
+    params: Iterable[torch.nn.Parameter] | Sequence[dict[str, Any]],
     *,
     kind: Literal["adamw", "sgd"],
     lr: float,
@@ -38,7 +38,11 @@ def make_optimizer(
     momentum: float = 0.0,
     nesterov: bool = False,
 ) -> torch.optim.Optimizer:
-    params = [p for p in params if p.requires_grad]
+    items = list(params)
+    if items and isinstance(items[0], dict):  # param groups, e.g. a value model with its own lr
+        params = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+    else:
+        params = [p for p in items if p.requires_grad]
     if kind == "adamw":
         # foreach: one kernel per op over all params; on small models the per-parameter
         # Python loop of the default path dominates. (fused=True is ~2 ms/step faster on the
