@@ -2,7 +2,7 @@
 
 SFT: greedy accuracy on `eval_prompts.jsonl` (drawn from an RNG stream
 independent of the training lines) >= 90%.
-RM: pair accuracy on `eval_pref.jsonl` >= 85%.
+RM (from the SFT model): pair accuracy on `eval_pref.jsonl` >= 90%.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_rm_example_ranks_held_out_pairs(workspace, sft_run, tmp_path):
     tok = AutoTokenizer.from_pretrained(export)
     acc = pair_accuracy(model, tok, _rows(workspace / "data" / "arithmetic" / "eval_pref.jsonl"), max_seq_len=64)
     print(f"RM pair accuracy on held-out pairs: {acc:.3f}")
-    assert acc >= 0.85
+    assert acc >= 0.90
 
 
 def test_dpo_example_raises_held_out_reward_accuracy(workspace, sft_run, tmp_path):
