@@ -1,7 +1,22 @@
-"""The request batcher: a bounded queue in front of one engine, drained by one worker thread.
+"""Samplers: submit a generation request, get a future; requests that arrive together run together.
 
-HTTP handlers `submit` requests (503 when the queue is full) and await a future.
-The worker thread owns the engine:
+    sampler = EngineSampler(engine)                      # what RL uses today
+    futures = sampler.submit_all(requests)               # one engine.generate call, started at once
+    outputs = await asyncio.gather(*futures)             # [(Completion, ...), ...] in request order
+
+    sampler = BatchingSampler(engine, max_batch_size=32, max_queue=256, gather_window_s=0.005)
+    sampler.start()                                      # what `rollout serve` uses
+    completions = await sampler.submit(request)          # QueueFull when the queue has no room
+
+`Sampler` is the seam the server, RL rollouts and (later) multi-turn episodes
+and eval share: callers never touch the engine's threading or batching.
+
+`EngineSampler` runs each `submit_all` as one `engine.generate` call on a
+worker thread, started before `submit_all` returns (so generation overlaps
+whatever the event loop does next, e.g. a training step).
+
+`BatchingSampler` is a bounded queue in front of one engine, drained by one
+worker thread that owns the engine:
 
 - with a `ContinuousEngine` (hf) it keeps one decode session running: between
   decode steps it admits queued requests while rows are free (one prefill
@@ -22,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rollout.inference.types import (
     Completion,
@@ -38,14 +54,91 @@ from rollout.inference.types import (
     GenerationRequest,
     InferenceEngine,
 )
-from rollout.serve.metrics import ServerMetrics
 
 log = logging.getLogger("rollout.serve")
 T = TypeVar("T")
+Choices = tuple[Completion, ...]
+"""The `n` completions of one request."""
 
 
 class QueueFull(Exception):
     """The bounded queue has no room; the caller answers 503 with Retry-After."""
+
+
+class Sampler(Protocol):
+    """Generation behind futures (call on the event loop)."""
+
+    def submit(self, request: GenerationRequest) -> asyncio.Future[Choices]:
+        """Queue one request; its future resolves with the request's `n` completions."""
+        ...
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[asyncio.Future[Choices]]:
+        """Queue requests that arrive together (one future each, in order); they may share a batch."""
+        ...
+
+
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _Histogram(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class SamplerMetrics(Protocol):
+    """What `BatchingSampler` counts (`rollout.serve.metrics.ServerMetrics` has these)."""
+
+    batch_rows: _Histogram
+    cancelled: _Counter
+    prompt_tokens: _Counter
+    generated_tokens: _Counter
+
+
+class _NoCount:
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+class _NoMetrics:
+    batch_rows = cancelled = prompt_tokens = generated_tokens = _NoCount()
+
+
+# --------------------------------------------------------------------------- one engine call per submission
+
+
+class EngineSampler:
+    """Each `submit_all` is one `engine.generate` call on a worker thread, started immediately."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+
+    def submit(self, request: GenerationRequest) -> asyncio.Future[Choices]:
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[asyncio.Future[Choices]]:
+        loop = asyncio.get_running_loop()
+        batch = loop.run_in_executor(None, contextvars.copy_context().run, self.engine.generate, list(requests))
+        futures: list[asyncio.Future[Choices]] = [loop.create_future() for _ in requests]
+
+        def split(done: asyncio.Future[list[Choices]]) -> None:
+            for i, future in enumerate(futures):
+                if future.done():
+                    continue
+                if done.cancelled():
+                    future.cancel()
+                elif done.exception() is not None:
+                    future.set_exception(done.exception())  # type: ignore[arg-type]
+                else:
+                    future.set_result(done.result()[i])
+
+        batch.add_done_callback(split)
+        return futures
+
+
+# --------------------------------------------------------------------------- a bounded queue and one worker
 
 
 @dataclass
@@ -53,7 +146,7 @@ class _Job:
     request: GenerationRequest
     rows: int
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[tuple[Completion, ...]]
+    future: asyncio.Future[Choices]
 
 
 @dataclass
@@ -64,7 +157,9 @@ class _Control:
     queued_at: float = field(default_factory=time.monotonic)
 
 
-class Batcher:
+class BatchingSampler:
+    """Concurrent requests share forward passes: a bounded queue drained by one worker thread."""
+
     def __init__(
         self,
         engine: InferenceEngine,
@@ -72,13 +167,13 @@ class Batcher:
         max_batch_size: int,
         max_queue: int,
         gather_window_s: float,
-        metrics: ServerMetrics,
+        metrics: SamplerMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.gather_window_s = gather_window_s
-        self.metrics = metrics
+        self.metrics: SamplerMetrics = metrics if metrics is not None else _NoMetrics()
         self._queue: deque[_Job] = deque()
         self._controls: deque[_Control] = deque()
         self._cond = threading.Condition()
@@ -107,17 +202,20 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, request: GenerationRequest) -> asyncio.Future[tuple[Completion, ...]]:
+    def submit(self, request: GenerationRequest) -> asyncio.Future[Choices]:
         """Queue a request (call on the event loop); raises `QueueFull` when there is no room."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[asyncio.Future[Choices]]:
+        """Queue all of `requests` or, when the queue has no room for all of them, none (`QueueFull`)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[Completion, ...]] = loop.create_future()
-        rows = request.params.n if request.params else 1
+        jobs = [_Job(r, r.params.n if r.params else 1, loop, loop.create_future()) for r in requests]
         with self._cond:
-            if len(self._queue) >= self.max_queue or self._stopping:
+            if len(self._queue) + len(jobs) > self.max_queue or self._stopping:
                 raise QueueFull()
-            self._queue.append(_Job(request, rows, loop, future))
+            self._queue.extend(jobs)
             self._cond.notify()
-        return future
+        return [job.future for job in jobs]
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker thread once every running row has finished; nothing is admitted meanwhile."""
