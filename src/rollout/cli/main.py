@@ -15,6 +15,8 @@ import traceback
 import click
 import typer
 
+from rollout import __version__
+from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
 from rollout.errors import RolloutError
 
 # Recent typer vendors its own copy of click; catch both so usage errors exit 2, not 1.
@@ -36,8 +38,6 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
-
     config_cmds.register(app)
     app.add_typer(train.app, name="train")
     app.add_typer(model.app, name="model")
@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from rollout import __version__
-
     return __version__
 
 
