@@ -189,3 +189,19 @@ def test_a_killed_run_is_crashed_and_resumes(backend, tiny_inputs, tmp_path, req
     assert store.final_metrics(resumed["id"])  # it trained
     assert max(m.step for m in store.read_metrics(resumed["id"])) == latest.step + 2
     store.close()
+
+
+def test_a_bad_heartbeat_interval_fails_before_any_run_row(tiny_inputs, tmp_path):
+    """`$ROLLOUT_HEARTBEAT_S` is read before the run row exists: exit 2, one error line, no stray `pending` run."""
+    model, data = tiny_inputs
+    config = write_config(tmp_path / "run.toml", model=model, data=data, max_steps=2, dsn=None)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ROLLOUT_HEARTBEAT_S": "soon"}
+    out = subprocess.run([sys.executable, "-m", "rollout.cli.main", "train", "sft", "--config", str(config)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: $ROLLOUT_HEARTBEAT_S must be a positive number"), out.stderr
+    store = open_store("embedded", path=tmp_path / "rollout.db")
+    try:
+        assert store.list_runs() == []
+    finally:
+        store.close()

@@ -56,8 +56,9 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     The snapshot to resume from is resolved *before* the run row exists, so an
     unknown id fails cleanly (`snapshot not found: <id>`) without a stray run.
     """
-    from rollout.observe import Heartbeat, RunRecorder
+    from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
 
+    beat_s = heartbeat_interval_s()  # a bad $ROLLOUT_HEARTBEAT_S fails here, before any run row exists
     store, objects = open_stores(cfg)
     resume_from, resume_state = None, None
     if resume is not None:
@@ -82,7 +83,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
     recorder = RunRecorder(store, run.id, run_dir / "events.jsonl")
-    heartbeat = Heartbeat(store, run.id)  # readers mark the run crashed if its process dies silently
+    heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state)
     store.set_run_status(run.id, "running")
     heartbeat.start()
