@@ -16,21 +16,13 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import blake3
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
+from rollout.config_base import ConfigPath, StrictModel, format_validation_errors, resolve_model_uri
 from rollout.errors import ConfigError
 from rollout.inference.config import InferenceConfig
 
@@ -40,38 +32,6 @@ ALGORITHM_KINDS: tuple[str, ...] = ("sft", "rm", "dpo", "kto", "grpo", "ppo")
 BUILTIN_REWARDS: tuple[str, ...] = ("arithmetic_correct", "math_answer", "format_answer_only")
 BUILTIN_ENVS: tuple[str, ...] = ("arithmetic", "math")
 _PLUGIN_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def _resolve_path(value: Path, info: ValidationInfo) -> Path:
-    base = (info.context or {}).get("base_dir")
-    value = value.expanduser()
-    if base is not None and not value.is_absolute():
-        value = Path(base) / value
-    return Path(value.resolve()) if value.is_absolute() else value
-
-
-ConfigPath = Annotated[Path, AfterValidator(_resolve_path)]
-"""A filesystem path; relative paths resolve against the config file's folder."""
-
-
-def _resolve_model_uri(value: str, info: ValidationInfo) -> str:
-    """A local directory (resolved like a path) or a hub id like `org/name`."""
-    base = (info.context or {}).get("base_dir")
-    looks_local = value.startswith(("./", "../", "/", "~")) or value in (".", "..")
-    if base is not None and not looks_local and (Path(base) / value).exists():
-        looks_local = True
-    if not looks_local:
-        return value
-    path = Path(value).expanduser()
-    if base is not None and not path.is_absolute():
-        path = Path(base) / path
-    return str(path.resolve())
-
-
-class StrictModel(BaseModel):
-    """Base for every config block: unknown keys are errors, values are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 # --------------------------------------------------------------------------- storage
@@ -123,7 +83,7 @@ class StorageConfig(StrictModel):
 class BaseModelConfig(StrictModel):
     """The model training starts from."""
 
-    uri: Annotated[str, AfterValidator(_resolve_model_uri)] = Field(
+    uri: Annotated[str, AfterValidator(resolve_model_uri)] = Field(
         min_length=1, description="Local model folder (relative to the config) or a hub id (online only)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
@@ -282,7 +242,7 @@ class ReferenceConfig(StrictModel):
     the same model and data; the reference is then never loaded in training.
     """
 
-    uri: Annotated[str, AfterValidator(_resolve_model_uri)] | None = Field(
+    uri: Annotated[str, AfterValidator(resolve_model_uri)] | None = Field(
         None, min_length=1, description="Reference model (default: base_model.uri)."
     )
     precompute: bool = Field(False, description="Compute reference log-probs once before training.")
@@ -516,113 +476,3 @@ def parse_config(text: str, *, source: Path) -> RunConfig:
     except ValidationError as err:
         messages = format_validation_errors(err, data, text=text, source=source)
         raise ConfigError(messages[0], details=messages[1:]) from None
-
-
-def format_validation_errors(
-    err: ValidationError, data: Mapping[str, Any], *, text: str | None = None, source: Path | None = None
-) -> list[str]:
-    """One `file:line: dotted.locator: problem` string per violation, in a stable order."""
-    found: set[tuple[int, str, str]] = set()
-    for e in err.errors(include_url=False):
-        keys = _locator_keys(e["loc"], data)
-        locator = ".".join(keys) if keys else "<root>"
-        line = _find_line(text, keys) if text else None
-        found.add((line or 0, locator, _describe(e)))
-    out = []
-    for line, locator, problem in sorted(found):  # document order, then locator: deterministic
-        where = "" if source is None else (f"{source}:{line}: " if line else f"{source}: ")
-        out.append(f"{where}{locator}: {problem}")
-    return out
-
-
-def _locator_keys(loc: Sequence[int | str], data: Any) -> list[str]:
-    """Map pydantic's loc to the user's keys, dropping discriminated-union tags.
-
-    Pydantic inserts the union tag (e.g. 'adamw') into the loc; we walk the
-    user's own data and keep only the segments that really are keys there.
-    """
-    keys: list[str] = []
-    node = data
-    for i, part in enumerate(loc):
-        is_last = i == len(loc) - 1
-        if isinstance(node, Mapping):
-            if part in node:
-                keys.append(str(part))
-                node = node[part]
-                continue
-            if is_last or not isinstance(part, str) or _is_union_tag(node, part):
-                if not _is_union_tag(node, part):
-                    keys.append(str(part))
-                continue
-            keys.append(str(part))  # a missing block: name it and stop descending
-            node = None
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            keys.append(str(part))
-            node = node[part]
-        elif isinstance(part, str) and node is not None and _is_union_tag(node, part):
-            continue
-        else:
-            keys.append(str(part))
-            node = None
-    return keys
-
-
-def _is_union_tag(node: Any, part: int | str) -> bool:
-    return isinstance(node, Mapping) and node.get("kind") == part
-
-
-def _describe(e: Mapping[str, Any]) -> str:
-    kind = e["type"]
-    if kind == "extra_forbidden":
-        return "unknown field"
-    if kind == "missing":
-        return "missing field"
-    if kind == "union_tag_not_found":
-        return 'missing field "kind"'
-    if kind == "union_tag_invalid":
-        ctx = e.get("ctx", {})
-        return f"unknown kind {ctx.get('tag')!r} (expected one of {ctx.get('expected_tags')})"
-    msg = str(e["msg"])
-    msg = re.sub(r"^(Value error|Assertion failed), ", "", msg)
-    msg = re.sub(r"^Input should be ", "must be ", msg)
-    msg = msg[0].lower() + msg[1:] if msg else msg
-    if kind not in ("value_error", "assertion_error") and not isinstance(e.get("input"), (dict, list)):
-        msg += f" (got {e['input']!r})"
-    return msg
-
-
-_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_KEY = re.compile(r'^\s*("?)([A-Za-z0-9_\-.]+)\1\s*=')
-
-
-def _find_line(text: str, keys: Sequence[str]) -> int | None:
-    """Best-effort line number of a locator in the TOML text (1-based)."""
-    if not keys:
-        return None
-    lines = text.splitlines()
-    table: list[str] = []
-    best: tuple[int, int] | None = None  # (matched key count, line)
-    for number, raw in enumerate(lines, start=1):
-        header = _HEADER.match(raw)
-        if header:
-            table = [p.strip().strip('"') for p in header.group(1).split(".")]
-            matched = _prefix_len(table, keys)
-            if matched == len(table) and (best is None or matched > best[0]):
-                best = (matched, number)
-            continue
-        key = _KEY.match(raw)
-        if key:
-            full = table + [p.strip().strip('"') for p in key.group(2).split(".")]
-            matched = _prefix_len(full, keys)
-            if matched == len(full) and (best is None or matched > best[0]):
-                best = (matched, number)
-    return best[1] if best else None
-
-
-def _prefix_len(path: Sequence[str], keys: Sequence[str]) -> int:
-    n = 0
-    for a, b in zip(path, keys, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n

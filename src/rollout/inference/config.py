@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rollout.config_base import format_validation_errors
 from rollout.errors import ConfigError
 
 
@@ -129,8 +130,6 @@ def load_inference_config(path: Path | None) -> InferenceConfig:
     try:
         cfg = _Root.model_validate(data).inference
     except ValidationError as err:
-        from rollout.config import format_validation_errors  # rollout.config imports this module
-
         messages = format_validation_errors(err, data, text=text, source=path)
         raise ConfigError(messages[0], details=messages[1:]) from None
     if cfg.model is not None and _looks_local(cfg.model):
@@ -159,7 +158,5 @@ def with_overrides(cfg: InferenceConfig, **changes: object) -> InferenceConfig:
     try:
         return InferenceConfig.model_validate(data)
     except ValidationError as err:
-        from rollout.config import format_validation_errors
-
         messages = [f"option {m}" for m in format_validation_errors(err, {"inference": data})]
         raise ConfigError(messages[0], details=messages[1:]) from None
