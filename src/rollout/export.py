@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import StorageError
+from rollout.models.load import apply_lora
+from rollout.snapshots import read_snapshot_blob
 from rollout.store.base import SnapshotRecord, Store
 from rollout.store.objects import ObjectStore
 
@@ -53,8 +55,6 @@ def export_snapshot(store: Store, objects: ObjectStore, record: SnapshotRecord, 
         AutoTokenizer,
     )
 
-    from rollout.snapshots import read_snapshot_blob
-
     if record.kind != "train_state":
         raise StorageError(f"snapshot {record.id[:12]} is a {record.kind} snapshot; only train_state holds a model")
     extra = record.manifest.get("extra", {})
@@ -73,10 +73,7 @@ def export_snapshot(store: Store, objects: ObjectStore, record: SnapshotRecord, 
         auto = AutoModelForSequenceClassification if extra.get("model_class") == "reward" else AutoModelForCausalLM
         model = auto.from_config(config, dtype=getattr(torch, str(config.dtype).removeprefix("torch.")) if config.dtype else None)
         if extra.get("lora"):
-            from rollout.algorithms.common import apply_lora
-            from rollout.config import LoraConfig
-
-            model = apply_lora(model, LoraConfig(**extra["lora"]), task=extra.get("model_class", "causal_lm"))
+            model = apply_lora(model, task=extra.get("model_class", "causal_lm"), **extra["lora"])
         tensors = load_safetensors(read_snapshot_blob(objects, record, "model"))
         prefix = extra.get("policy_prefix")
         if prefix:  # e.g. PPO keeps policy and value model in one state: export the policy

@@ -174,7 +174,7 @@ def test_snapshot_id_is_exported_once_and_served(tmp_path: Path, tiny_model_dir:
     from safetensors.torch import save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.algorithms.common import model_file_blobs
+    from rollout.checkpoint import model_file_blobs
     from rollout.snapshots import Blob, commit_snapshot
     from rollout.store import FsObjectStore, open_store
 

@@ -35,15 +35,16 @@ def _first_loss(cfg, run_id):
 
 def test_lora_reference_is_the_policy_itself(workspace):
     """Under LoRA the reference is the adapter-disabled policy: no second model in memory."""
-    from rollout.algorithms.common import apply_lora, load_model
     from rollout.algorithms.reference import build_reference
-    from rollout.config import BaseModelConfig, LoraConfig, ReferenceConfig
+    from rollout.config import LoraConfig
+    from rollout.models.load import ModelSource, apply_lora, load_model
 
-    base = BaseModelConfig(uri=str(workspace / "models" / "tiny"))
-    policy = apply_lora(load_model(base, task="causal_lm", pad_token_id=0, seed=0), LoraConfig(), task="causal_lm")
+    base = ModelSource(uri=str(workspace / "models" / "tiny"))
+    policy = apply_lora(load_model(base, task="causal_lm", pad_token_id=0, seed=0), task="causal_lm",
+                        **LoraConfig().model_dump())
     ref = build_reference(
-        None, policy, base=base, reference=ReferenceConfig(), lora=True, pad_token_id=0, device="cpu", seed=0,
-        precompute_fn=lambda r: None, data_digest="",
+        None, policy, base=base, reference_uri=None, precompute=False, lora=True, pad_token_id=0, device="cpu",
+        seed=0, precompute_fn=lambda r: None, data_digest="",
     )
     assert ref.kind == "adapter" and ref.model is policy
     held = {id(p): p.numel() for m in (policy, ref.model) for p in m.parameters()}

@@ -18,26 +18,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.algorithms.common import (
+from rollout.algorithms.reference import Reference, build_reference
+from rollout.backends.torch_backend import build_torch_backend
+from rollout.checkpoint import model_file_blobs, snapshot_due
+from rollout.config import DPOConfig, RunConfig
+from rollout.errors import AlgorithmError
+from rollout.models.load import ModelSource, load_tokenizer, load_trainable
+from rollout.progress import TrainProgress
+from rollout.run import (
     RunContext,
-    TrainProgress,
     TrainResult,
-    build_torch_backend,
     finish_training,
-    load_tokenizer,
-    load_trainable,
-    model_file_blobs,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
     snapshot_backend,
-    snapshot_due,
     snapshot_extra,
 )
-from rollout.algorithms.reference import Reference, build_reference
-from rollout.config import DPOConfig, RunConfig
-from rollout.errors import AlgorithmError
 
 
 @dataclass(frozen=True)
@@ -118,11 +116,12 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     from rollout.data.tokenize import tokenize_pairs
 
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(cfg)
+    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
     average = s.loss_type == "ipo"
 
     # ---- data
-    tokenizer = load_tokenizer(s.base_model)
+    base_model = ModelSource(**s.base_model.model_dump())
+    tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
     rows, report = read_rows(s.dataset.path, "preference", on_bad_line=s.dataset.on_bad_line)
     pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len=s.packing.max_seq_len, path=s.dataset.path)
@@ -130,24 +129,30 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     plan = MicroBatchPlan(lengths, micro_batch_size=s.minibatch_size, packing="off",
                           max_seq_len=s.packing.max_seq_len, seed=cfg.seed)
     total_steps = resolve_total_steps(
-        s.budget, batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
+        **s.budget.model_dump(), batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
         tokens_per_batch=2 * sum(lengths) / len(lengths) * s.minibatch_size,
     )
 
     # ---- policy, reference, optimizer
     device = pick_device(cfg.backend.device)
-    model = load_trainable(s, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device)
+    model = load_trainable(
+        base_model, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device,
+        lora=s.lora.model_dump() if s.lora else None,
+    )
     ref = build_reference(
-        ctx, model, base=s.base_model, reference=s.reference, lora=s.lora is not None, pad_token_id=pad_id,
-        device=device, seed=cfg.seed,
+        ctx, model, base=base_model, reference_uri=s.reference.uri, precompute=s.reference.precompute,
+        lora=s.lora is not None, pad_token_id=pad_id, device=device, seed=cfg.seed,
         precompute_fn=lambda r: precompute_pair_table(r, pairs, pad_id, device, average=average),
         data_digest=digest_records(pairs, extra={"average": average, "algorithm": "dpo"}),
     )
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    backend = build_torch_backend(
+        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+    )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
 
-    extra = snapshot_extra(cfg, s, model_class="causal_lm", reference=ref.kind, reference_table=ref.snapshot_id)
+    extra = snapshot_extra(cfg, model_class="causal_lm", reference=ref.kind, reference_table=ref.snapshot_id)
     rec.event(
         "train_start", algorithm="dpo", total_steps=total_steps, start_step=loop.step, device=str(device),
         num_pairs=len(pairs), num_truncated=stats.num_truncated, num_skipped_lines=report.num_skipped,
@@ -194,13 +199,14 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             rec.event("train_step", step=loop.step, loss=loss, margin=last["rewards/margins"],
                       accuracy=last["rewards/accuracy"], lr=result.lr, grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "margin": last["rewards/margins"]})
-            if snapshot_due(s, loop.step, total_steps):
+            if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
                 )
 
     return await finish_training(
-        ctx, backend, model, tokenizer, s, loop, static_blobs=static_blobs, extra=extra, metrics=last
+        ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
+        static_blobs=static_blobs, extra=extra, metrics=last,
     )
 
 

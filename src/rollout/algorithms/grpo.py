@@ -16,24 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.algorithms.common import (
-    RunContext,
-    TrainProgress,
-    TrainResult,
-    build_torch_backend,
-    finish_training,
-    load_model,
-    load_tokenizer,
-    load_trainable,
-    model_file_blobs,
-    prepare_process,
-    restore_or_start,
-    run_lifecycle,
-    snapshot_extra,
-)
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
@@ -41,8 +26,21 @@ from rollout.algorithms.rl_common import (
     resolve_reward_specs,
     snapshot_rl,
 )
+from rollout.backends.torch_backend import build_torch_backend
+from rollout.checkpoint import model_file_blobs
 from rollout.config import GRPOConfig, RunConfig
 from rollout.errors import AlgorithmError
+from rollout.models.load import ModelSource, load_model, load_tokenizer, load_trainable
+from rollout.progress import TrainProgress
+from rollout.run import (
+    RunContext,
+    TrainResult,
+    finish_training,
+    prepare_process,
+    restore_or_start,
+    run_lifecycle,
+    snapshot_extra,
+)
 
 
 @dataclass(frozen=True)
@@ -91,10 +89,11 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     from rollout.rl.manager import RolloutManager
 
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(cfg)
+    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
     # ---- data, rewards, engine, manager
-    tokenizer = load_tokenizer(s.base_model)
+    base_model = ModelSource(**s.base_model.model_dump())
+    tokenizer = load_tokenizer(base_model)
     rows, report = read_rows(s.dataset.path, "prompt", on_bad_line=s.dataset.on_bad_line)
     data = [r.data for r in rows]
     reward_fns = resolve_reward_specs(s)
@@ -113,17 +112,23 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     total_steps = s.budget.max_steps
 
     # ---- policy, reference, optimizer
-    model = load_trainable(s, task="causal_lm", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device)
+    model = load_trainable(
+        base_model, task="causal_lm", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
+        lora=s.lora.model_dump() if s.lora else None,
+    )
     ref_model, ref_adapter = None, False
     if s.beta > 0:
         ref_uri = s.reference.uri or s.base_model.uri
         if s.lora is not None and ref_uri == s.base_model.uri:
             ref_model, ref_adapter = model, True
         else:
-            ref_model = load_model(s.base_model.model_copy(update={"uri": ref_uri}), task="causal_lm",
+            ref_model = load_model(replace(base_model, uri=ref_uri), task="causal_lm",
                                    pad_token_id=tokenizer.pad_token_id, seed=cfg.seed).to(device).eval()
             ref_model.requires_grad_(False)
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    backend = build_torch_backend(
+        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+    )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
     source = BatchSource(manager, engine, ctx, pipelined=s.off_policy_steps == 1)
@@ -134,7 +139,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         source.restore(state.get("pending"))
         version = state["version"]
 
-    extra = snapshot_extra(cfg, s, model_class="causal_lm")
+    extra = snapshot_extra(cfg, model_class="causal_lm")
     rec.event(
         "train_start", algorithm="grpo", total_steps=total_steps, start_step=loop.step, device=str(device),
         num_prompts=len(data), num_skipped_lines=report.num_skipped, rewards=[n for n, _, _ in reward_fns],
@@ -218,6 +223,6 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     finally:
         await source.close()
         engine.close()
-    return await finish_training(ctx, backend, model, tokenizer, s, loop, static_blobs=static_blobs,
-                                 extra=extra, metrics=last)
+    return await finish_training(ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
+                                 static_blobs=static_blobs, extra=extra, metrics=last)
 

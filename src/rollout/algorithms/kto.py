@@ -18,27 +18,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.algorithms.common import (
+from rollout.algorithms.reference import Reference, build_reference
+from rollout.backends.torch_backend import build_torch_backend
+from rollout.checkpoint import model_file_blobs, snapshot_due
+from rollout.config import KTOConfig, RunConfig
+from rollout.data.tokenize import tokenize_aligned
+from rollout.errors import AlgorithmError, DataError
+from rollout.models.load import ModelSource, load_tokenizer, load_trainable
+from rollout.progress import TrainProgress
+from rollout.run import (
     RunContext,
-    TrainProgress,
     TrainResult,
-    build_torch_backend,
     finish_training,
-    load_tokenizer,
-    load_trainable,
-    model_file_blobs,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
     snapshot_backend,
-    snapshot_due,
     snapshot_extra,
-    tokenize_aligned,
 )
-from rollout.algorithms.reference import Reference, build_reference
-from rollout.config import KTOConfig, RunConfig
-from rollout.errors import AlgorithmError, DataError
 
 
 @dataclass(frozen=True)
@@ -120,10 +118,11 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     from rollout.losses.preference import kto_kl_estimate
 
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(cfg)
+    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
     # ---- data
-    tokenizer = load_tokenizer(s.base_model)
+    base_model = ModelSource(**s.base_model.model_dump())
+    tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
     rows, report = read_rows(s.dataset.path, "kto", on_bad_line=s.dataset.on_bad_line)
     samples, stats, rows = tokenize_aligned(
@@ -138,24 +137,30 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     plan = MicroBatchPlan([len(x.input_ids) for x in samples], micro_batch_size=s.minibatch_size, packing="off",
                           max_seq_len=s.packing.max_seq_len, seed=cfg.seed)
     total_steps = resolve_total_steps(
-        s.budget, batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
+        **s.budget.model_dump(), batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
         tokens_per_batch=stats.num_tokens / max(1, n_lines) * s.minibatch_size,
     )
 
     # ---- policy, reference, optimizer
     device = pick_device(cfg.backend.device)
-    model = load_trainable(s, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device)
+    model = load_trainable(
+        base_model, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device,
+        lora=s.lora.model_dump() if s.lora else None,
+    )
     ref = build_reference(
-        ctx, model, base=s.base_model, reference=s.reference, lora=s.lora is not None, pad_token_id=pad_id,
-        device=device, seed=cfg.seed,
+        ctx, model, base=base_model, reference_uri=s.reference.uri, precompute=s.reference.precompute,
+        lora=s.lora is not None, pad_token_id=pad_id, device=device, seed=cfg.seed,
         precompute_fn=lambda r: precompute_kto_table(r, samples, mismatched, pad_id, device),
         data_digest=digest_records([*samples, *mismatched], extra={"algorithm": "kto"}),
     )
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    backend = build_torch_backend(
+        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+    )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
 
-    extra = snapshot_extra(cfg, s, model_class="causal_lm", reference=ref.kind, reference_table=ref.snapshot_id)
+    extra = snapshot_extra(cfg, model_class="causal_lm", reference=ref.kind, reference_table=ref.snapshot_id)
     rec.event(
         "train_start", algorithm="kto", total_steps=total_steps, start_step=loop.step, device=str(device),
         num_lines=n_lines, num_desirable=int(labels.sum()), num_truncated=stats.num_truncated,
@@ -211,13 +216,14 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
             rec.event("train_step", step=loop.step, loss=loss, kl=last["train/kl"], lr=result.lr,
                       grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "kl": last["train/kl"]})
-            if snapshot_due(s, loop.step, total_steps):
+            if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
                 )
 
     return await finish_training(
-        ctx, backend, model, tokenizer, s, loop, static_blobs=static_blobs, extra=extra, metrics=last
+        ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
+        static_blobs=static_blobs, extra=extra, metrics=last,
     )
 
 

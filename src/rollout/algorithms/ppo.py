@@ -20,25 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.algorithms.common import (
-    RunContext,
-    TrainProgress,
-    TrainResult,
-    build_torch_backend,
-    finish_training,
-    hf_model,
-    load_model,
-    load_tokenizer,
-    load_trainable,
-    model_file_blobs,
-    prepare_process,
-    restore_or_start,
-    run_lifecycle,
-    snapshot_extra,
-)
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
@@ -46,8 +30,21 @@ from rollout.algorithms.rl_common import (
     resolve_reward_specs,
     snapshot_rl,
 )
+from rollout.backends.torch_backend import build_torch_backend
+from rollout.checkpoint import model_file_blobs
 from rollout.config import PPOConfig, RunConfig
 from rollout.errors import AlgorithmError
+from rollout.models.load import ModelSource, hf_model, load_model, load_tokenizer, load_trainable
+from rollout.progress import TrainProgress
+from rollout.run import (
+    RunContext,
+    TrainResult,
+    finish_training,
+    prepare_process,
+    restore_or_start,
+    run_lifecycle,
+    snapshot_extra,
+)
 
 POLICY = "policy."
 
@@ -116,12 +113,13 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     from rollout.rl.manager import RolloutManager
 
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(cfg)
+    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
     if s.budget.max_steps is None:
         raise AlgorithmError("ppo needs budget.max_steps (epochs and tokens are not defined for sampled data)")
     total_steps = s.budget.max_steps
 
-    tokenizer = load_tokenizer(s.base_model)
+    base_model = ModelSource(**s.base_model.model_dump())
+    tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
     rows, report = read_rows(s.dataset.path, "prompt", on_bad_line=s.dataset.on_bad_line)
     data = [r.data for r in rows]
@@ -136,8 +134,11 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         on_event=lambda name, fields: rec.event(name, **fields),
     )
 
-    policy = load_trainable(s, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device)
-    value = load_model(s.base_model, task="reward", pad_token_id=pad_id, seed=cfg.seed + 1)
+    policy = load_trainable(
+        base_model, task="causal_lm", pad_token_id=pad_id, seed=cfg.seed, device=device,
+        lora=s.lora.model_dump() if s.lora else None,
+    )
+    value = load_model(base_model, task="reward", pad_token_id=pad_id, seed=cfg.seed + 1)
     model = _policy_and_value(policy, value).to(device)
     ref_model, ref_adapter = None, False
     if s.kl_coef > 0:
@@ -145,13 +146,16 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         if s.lora is not None and ref_uri == s.base_model.uri:
             ref_model, ref_adapter = policy, True
         else:
-            ref_model = load_model(s.base_model.model_copy(update={"uri": ref_uri}), task="causal_lm",
+            ref_model = load_model(replace(base_model, uri=ref_uri), task="causal_lm",
                                    pad_token_id=pad_id, seed=cfg.seed).to(device).eval()
             ref_model.requires_grad_(False)
     groups = None
     if s.value_lr is not None:  # the value model learns at its own rate; the schedule scales both
         groups = [{"params": list(policy.parameters())}, {"params": list(value.parameters()), "lr": s.value_lr}]
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device, param_groups=groups)
+    backend = build_torch_backend(
+        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), param_groups=groups,
+    )
     static_blobs = model_file_blobs(policy, tokenizer)
     loop = await restore_or_start(ctx, backend)
     source = BatchSource(manager, engine, ctx, pipelined=s.off_policy_steps == 1)
@@ -161,7 +165,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         source.restore(loop.restored.get("pending"))
         version = loop.restored["version"]
 
-    extra = snapshot_extra(cfg, s, model_class="causal_lm", policy_prefix=POLICY)
+    extra = snapshot_extra(cfg, model_class="causal_lm", policy_prefix=POLICY)
     rec.event("train_start", algorithm="ppo", total_steps=total_steps, start_step=loop.step, device=str(device),
               num_prompts=len(data), num_skipped_lines=report.num_skipped, rewards=[n for n, _, _ in reward_fns],
               resumed_from=ctx.resume_from.id if ctx.resume_from else None)
@@ -238,8 +242,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     finally:
         await source.close()
         engine.close()
-    return await finish_training(ctx, backend, policy, tokenizer, s, loop, static_blobs=static_blobs,
-                                 extra=extra, metrics=last)
+    return await finish_training(ctx, backend, policy, tokenizer, loop, export_dir=s.export.dir if s.export else None,
+                                 static_blobs=static_blobs, extra=extra, metrics=last)
 
 
 def _policy_export(backend: Any) -> Any:

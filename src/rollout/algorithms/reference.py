@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import blake3
 
-from rollout.algorithms.common import RunContext, load_model
-from rollout.config import BaseModelConfig, ReferenceConfig
 from rollout.errors import AlgorithmError
+from rollout.models.load import ModelSource, load_model
+from rollout.run import RunContext
 
 TABLE_LABEL = "reference_logps:"
 
@@ -62,8 +62,9 @@ def build_reference(
     ctx: RunContext,
     policy: Any,
     *,
-    base: BaseModelConfig,
-    reference: ReferenceConfig,
+    base: ModelSource,
+    reference_uri: str | None,
+    precompute: bool,
     lora: bool,
     pad_token_id: int,
     device: Any,
@@ -73,9 +74,9 @@ def build_reference(
 ) -> Reference:
     """Pick and build the reference. `precompute_fn(ref)` returns the whole table
     ([num_sequences] log-prob sums, in the order the algorithm indexes it)."""
-    uri = reference.uri or base.uri
+    uri = reference_uri or base.uri
     shares_base = uri == base.uri
-    if reference.precompute:
+    if precompute:
         return _table(ctx, policy, base=base, uri=uri, lora=lora and shares_base, pad_token_id=pad_token_id,
                       device=device, seed=seed, precompute_fn=precompute_fn, data_digest=data_digest)
     if lora and shares_base:
@@ -83,16 +84,15 @@ def build_reference(
     return Reference(kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed))
 
 
-def _frozen_copy(base: BaseModelConfig, uri: str, pad_token_id: int, device: Any, seed: int) -> Any:
-    spec = base.model_copy(update={"uri": uri})
-    model = load_model(spec, task="causal_lm", pad_token_id=pad_token_id, seed=seed).to(device)
+def _frozen_copy(base: ModelSource, uri: str, pad_token_id: int, device: Any, seed: int) -> Any:
+    model = load_model(replace(base, uri=uri), task="causal_lm", pad_token_id=pad_token_id, seed=seed).to(device)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
 def _table(
-    ctx: RunContext, policy: Any, *, base: BaseModelConfig, uri: str, lora: bool, pad_token_id: int,
+    ctx: RunContext, policy: Any, *, base: ModelSource, uri: str, lora: bool, pad_token_id: int,
     device: Any, seed: int, precompute_fn: Callable[[Reference], Any], data_digest: str,
 ) -> Reference:
     import torch

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.algorithms.common import RunContext
 from rollout.errors import AlgorithmError
+from rollout.run import RunContext, snapshot_backend
 
 
 def resolve_reward_specs(s: Any) -> list[tuple[str, Any, float]]:
@@ -172,8 +172,6 @@ def require_samples(batch: Any, step: int, empty_streak: int) -> int:
 
 async def snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra) -> str:  # noqa: ANN001
     """A train_state snapshot that also holds the manager's state and any batch generated ahead."""
-    from rollout.algorithms.common import snapshot_backend
-
     pending = await source.settle()
     state = {**loop.to_dict(), "manager": manager.state_dict(), "pending": pending, "version": version}
     return await snapshot_backend(ctx, backend, step=loop.step, loop_state=state, static_blobs=static_blobs, extra=extra)

@@ -16,27 +16,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.algorithms.common import (
+from rollout.backends.torch_backend import build_torch_backend
+from rollout.checkpoint import model_file_blobs, snapshot_due
+from rollout.config import RMConfig, RunConfig
+from rollout.data.tokenize import tokenize_aligned
+from rollout.errors import AlgorithmError
+from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
+from rollout.progress import TrainProgress
+from rollout.run import (
     RunContext,
-    TrainProgress,
     TrainResult,
-    build_torch_backend,
     finish_training,
-    hf_model,
-    load_tokenizer,
-    load_trainable,
-    model_file_blobs,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
     snapshot_backend,
-    snapshot_due,
     snapshot_extra,
-    tokenize_aligned,
 )
-from rollout.config import RMConfig, RunConfig
-from rollout.errors import AlgorithmError
 
 
 @dataclass(frozen=True)
@@ -117,10 +114,11 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
     from rollout.data.tokenize import tokenize_pairs
 
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(cfg)
+    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
     # ---- data
-    tokenizer = load_tokenizer(s.base_model)
+    base_model = ModelSource(**s.base_model.model_dump())
+    tokenizer = load_tokenizer(base_model)
     rows, report = read_rows(s.dataset.path, "preference", on_bad_line=s.dataset.on_bad_line)
     pairs, stats, rows = tokenize_aligned(
         lambda rs: tokenize_pairs(rs, tokenizer, max_seq_len=s.packing.max_seq_len, path=s.dataset.path), rows
@@ -132,20 +130,26 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
     if plan.num_batches(0) == 0:
         raise AlgorithmError(f"{s.dataset.path}: {len(pairs)} pairs make no full micro-batch of {s.minibatch_size}")
     total_steps = resolve_total_steps(
-        s.budget, batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
+        **s.budget.model_dump(), batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
         tokens_per_batch=2 * sum(lengths) / len(lengths) * s.minibatch_size,
     )
 
     # ---- model, optimizer, schedule
     device = pick_device(cfg.backend.device)
-    model = load_trainable(s, task="reward", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device)
-    backend = build_torch_backend(model, s, total_steps=total_steps, device=device)
+    model = load_trainable(
+        base_model, task="reward", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
+        lora=s.lora.model_dump() if s.lora else None,
+    )
+    backend = build_torch_backend(
+        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+    )
     static_blobs = model_file_blobs(model, tokenizer)
 
     # ---- restore
     loop = await restore_or_start(ctx, backend)
 
-    extra = snapshot_extra(cfg, s, model_class="reward")
+    extra = snapshot_extra(cfg, model_class="reward")
     rec.event(
         "train_start", algorithm="rm", total_steps=total_steps, start_step=loop.step, device=str(device),
         num_pairs=len(pairs), num_truncated=stats.num_truncated, num_skipped_lines=report.num_skipped,
@@ -190,13 +194,14 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
             rec.event("train_step", step=loop.step, loss=loss, accuracy=last["train/accuracy"], lr=result.lr,
                       grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "acc": last["train/accuracy"]})
-            if snapshot_due(s, loop.step, total_steps):
+            if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
                 )
 
     return await finish_training(
-        ctx, backend, model, tokenizer, s, loop, static_blobs=static_blobs, extra=extra, metrics=last
+        ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
+        static_blobs=static_blobs, extra=extra, metrics=last,
     )
 
 

@@ -148,6 +148,21 @@ class TorchBackend:
         return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def build_torch_backend(
+    model: torch.nn.Module, *, device: torch.device, total_steps: int, max_grad_norm: float | None,
+    optimizer: Mapping[str, Any], scheduler: Mapping[str, Any],
+    param_groups: Sequence[dict[str, Any]] | None = None,
+) -> TorchBackend:
+    """Optimizer, lr schedule and TorchBackend. `optimizer`: `make_optimizer`'s keyword arguments
+    (kind, lr, weight_decay and the kind's own: betas, eps or momentum, nesterov); `scheduler`:
+    `lr_multiplier`'s (kind, warmup_steps, min_lr_ratio). `param_groups` (torch's form, a group's
+    "lr" being its peak lr) replaces `model.parameters()`."""
+    params = param_groups if param_groups is not None else model.parameters()
+    opt = make_optimizer(params, **optimizer)
+    sched = make_lr_schedule(opt, lambda i: lr_multiplier(i, total_steps=total_steps, **scheduler))
+    return TorchBackend(model, opt, sched, device=device, max_grad_norm=max_grad_norm)
+
+
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses aliased storage (tied embeddings): give each name its own copy."""
     seen: set[int] = set()

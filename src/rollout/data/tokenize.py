@@ -30,13 +30,13 @@ Tokenizer calls are batched per line shape (10k short chat lines: about a second
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from rollout.data.jsonl import Row
-from rollout.errors import DataError, ModelError
+from rollout.errors import AlgorithmError, DataError, ModelError
 
 if TYPE_CHECKING:  # annotations only: this module never imports transformers
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -383,3 +383,25 @@ def _check_max_seq_len(max_seq_len: int) -> None:
 
 def _where(path: Path | None, row: Row) -> str:
     return f"{path}:{row.line}" if path is not None else f"line {row.line}"
+
+
+ItemT = TypeVar("ItemT")
+StatsT = TypeVar("StatsT")
+
+
+def tokenize_aligned(
+    tokenize: Callable[[list[Row]], tuple[list[ItemT], StatsT]], rows: list[Row]
+) -> tuple[list[ItemT], StatsT, list[Row]]:
+    """`tokenize(rows) -> (items, stats)`, plus the rows that survived, aligned with items.
+
+    Tokenizers drop rows left without loss tokens after truncation; per-row
+    fields (labels, margins) must follow the survivors. The common case (no
+    drops) costs one batched call; otherwise rows are re-tokenized one by one.
+    """
+    items, stats = tokenize(rows)
+    if len(items) == len(rows):
+        return items, stats, rows
+    kept = [row for row in rows if tokenize([row])[0]]
+    if len(kept) != len(items):
+        raise AlgorithmError(f"internal: {len(kept)} rows kept but {len(items)} items tokenized")
+    return items, stats, kept

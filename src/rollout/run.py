@@ -1,0 +1,242 @@
+"""A training run's lifecycle: its row, folder, recorder and final status, and the
+save/restore points a training loop calls.
+
+    with run_lifecycle(cfg, resume=None) as ctx:         # run row "running", recorder open
+        prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
+        loop = await restore_or_start(ctx, backend)      # LoopState of a fresh run or the resume snapshot
+        ...                                              # the algorithm's own loop
+        await snapshot_backend(ctx, backend, step=loop.step, loop_state=loop.to_dict(), ...)
+        return await finish_training(ctx, backend, model, tokenizer, loop, ...)
+                                                         # status: succeeded, failed or cancelled
+
+Each algorithm module keeps its own loop; this module holds only what every
+loop would otherwise copy. `run_lifecycle` takes the run config (it records
+it); everything else takes plain values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollout.backends.base import BackendState, TrainingBackend
+from rollout.checkpoint import LoopState, commit_train_state, read_train_state
+from rollout.config import RunConfig
+from rollout.data.loader import DataCursor
+from rollout.errors import AlgorithmError, RolloutError
+from rollout.export import export_model_dir
+from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
+from rollout.rng import seed_everything
+from rollout.snapshots import prune_snapshots
+from rollout.store import open_object_store, open_store
+from rollout.store.base import RunRecord, SnapshotRecord, Store
+from rollout.store.objects import ObjectStore
+
+# --------------------------------------------------------------------------- run lifecycle
+
+
+@dataclass
+class RunContext:
+    config: RunConfig
+    store: Store
+    objects: ObjectStore
+    run: RunRecord
+    run_dir: Path
+    recorder: RunRecorder
+    resume_from: SnapshotRecord | None = None
+    resume_state: tuple[BackendState, dict[str, Any]] | None = None
+    snapshots: list[SnapshotRecord] = field(default_factory=list)
+    keep_last: int | None = None
+    """train_state snapshots of this run to keep (older unlabeled ones are pruned); None keeps all."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_id: str
+    steps: int
+    final_snapshot_id: str
+    metrics: dict[str, float]
+
+
+def open_stores(cfg: RunConfig) -> tuple[Store, ObjectStore]:
+    st = cfg.storage
+    store = open_store(
+        st.backend,
+        path=st.embedded.path if st.backend == "embedded" else None,
+        dsn=st.postgres.dsn if st.postgres is not None else None,
+    )
+    return store, open_object_store(st.objects.backend, path=st.objects.path)
+
+
+@contextmanager
+def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]:
+    """Create the run row, the recorder and the run folder; set the final status.
+
+    The snapshot to resume from is resolved *before* the run row exists, so an
+    unknown id fails cleanly (`snapshot not found: <id>`) without a stray run.
+    """
+    beat_s = heartbeat_interval_s()  # a bad $ROLLOUT_HEARTBEAT_S fails here, before any run row exists
+    store, objects = open_stores(cfg)
+    resume_from, resume_state = None, None
+    if resume is not None:
+        resume_from = store.get_snapshot(resume)
+        if resume_from.kind != "train_state":
+            raise AlgorithmError(f"snapshot {resume_from.id[:12]} is a {resume_from.kind} snapshot, not train_state")
+        algo = resume_from.manifest.get("extra", {}).get("algorithm")
+        if algo != cfg.algorithm.kind:
+            raise AlgorithmError(
+                f"snapshot {resume_from.id[:12]} was saved by {algo}, cannot resume {cfg.algorithm.kind} from it"
+            )
+        # Read (and digest-verify) the state now: a corrupted snapshot fails before any run row exists.
+        resume_state = read_train_state(objects, resume_from)
+    run = store.create_run(
+        algorithm=cfg.algorithm.kind,
+        config_digest=cfg.digest(),
+        config_json=cfg.canonical_json(),
+        name=cfg.name,
+        resumed_from=resume_from.id if resume_from else None,
+    )
+    run_dir = cfg.storage.resolved_runs_dir() / run.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
+    recorder = RunRecorder(store, run.id, run_dir / "events.jsonl")
+    heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
+    ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state,
+                     keep_last=cfg.algorithm.settings.snapshot.keep_last)
+    store.set_run_status(run.id, "running")
+    heartbeat.start()
+    try:
+        yield ctx
+    except KeyboardInterrupt:
+        _end(ctx, heartbeat, "cancelled", "interrupted")
+        raise
+    except RolloutError as err:
+        _end(ctx, heartbeat, "failed", str(err))
+        raise
+    except BaseException as err:
+        _end(ctx, heartbeat, "failed", f"{type(err).__name__}: {err}")
+        raise
+    else:
+        _end(ctx, heartbeat, "succeeded", None)
+
+
+def _end(ctx: RunContext, heartbeat: Heartbeat, status: str, error: str | None) -> None:
+    try:
+        ctx.recorder.close()
+    finally:
+        heartbeat.stop()  # after the recorder's last flush, before the final status
+        ctx.store.set_run_status(ctx.run.id, status, error=error)  # type: ignore[arg-type]
+        ctx.store.close()
+
+
+def prepare_process(*, seed: int, num_threads: int | None) -> None:
+    """Thread count and every RNG seeded from the run's seed, before anything random happens."""
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    seed_everything(seed)
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def resolve_total_steps(
+    *, max_steps: int | None, max_epochs: float | None, max_tokens: int | None,
+    batches_per_epoch: int, grad_accum: int, tokens_per_batch: float,
+) -> int:
+    """Optimizer steps the lr schedule spans (exact for max_steps / max_epochs, estimated for max_tokens)."""
+    if max_steps is not None:
+        return max_steps
+    if max_epochs is not None:
+        return max(1, math.floor(max_epochs * batches_per_epoch / grad_accum))
+    assert max_tokens is not None
+    return max(1, math.ceil(max_tokens / max(1.0, tokens_per_batch * grad_accum)))
+
+
+# --------------------------------------------------------------------------- snapshots of the run
+
+
+def snapshot_extra(cfg: RunConfig, *, model_class: str, **more: Any) -> dict[str, Any]:
+    """What a train_state manifest records about the run besides its blobs."""
+    s = cfg.algorithm.settings
+    return {
+        "algorithm": cfg.algorithm.kind, "model_class": model_class,
+        "lora": s.lora.model_dump(mode="json") if s.lora else None,
+        "base_model": s.base_model.uri, "config_digest": cfg.digest(), **more,
+    }
+
+
+def save_train_state(
+    ctx: RunContext,
+    state: BackendState,
+    *,
+    step: int,
+    loop_state: Mapping[str, Any],
+    static_blobs: Mapping[str, bytes],
+    extra: Mapping[str, Any],
+) -> SnapshotRecord:
+    """Commit a train_state snapshot and prune old ones (keep_last)."""
+    parent = ctx.snapshots[-1].id if ctx.snapshots else (ctx.resume_from.id if ctx.resume_from else None)
+    ctx.recorder.flush()  # events up to this step are durable before the snapshot row is
+    record = commit_train_state(
+        ctx.store, ctx.objects, state, run_id=ctx.run.id, step=step, loop_state=loop_state,
+        static_blobs=static_blobs, extra=extra, parent_id=parent,
+    )
+    ctx.snapshots.append(record)
+    ctx.recorder.event("snapshot_saved", snapshot_id=record.id, step=step)
+    if ctx.keep_last is not None:
+        prune_snapshots(ctx.store, run_id=ctx.run.id, keep_last=ctx.keep_last, keep_labeled=True)
+    return record
+
+
+async def snapshot_backend(
+    ctx: RunContext,
+    backend: TrainingBackend[Any],
+    *,
+    step: int,
+    loop_state: Mapping[str, Any],
+    static_blobs: Mapping[str, bytes],
+    extra: Mapping[str, Any],
+) -> str:
+    """Snapshot the backend at `step` unless that step was just saved; returns the id."""
+    if ctx.snapshots and ctx.snapshots[-1].step == step:
+        return ctx.snapshots[-1].id
+    state = await backend.state()
+    record = save_train_state(ctx, state, step=step, loop_state=loop_state, static_blobs=static_blobs, extra=extra)
+    return record.id
+
+
+async def restore_or_start(ctx: RunContext, backend: TrainingBackend[Any]) -> LoopState:
+    """Load the resume snapshot into the backend (if any) and return where the loop continues."""
+    if ctx.resume_from is None:
+        return LoopState(step=0, cursor=DataCursor(epoch=0, batch=0), tokens_seen=0)
+    assert ctx.resume_state is not None  # read by run_lifecycle
+    state, loop = ctx.resume_state
+    ctx.resume_state = None  # free the bytes once loaded
+    await backend.load_state(state)
+    return LoopState(
+        step=loop["step"], cursor=DataCursor.from_dict(loop["cursor"]), tokens_seen=loop["tokens_seen"], restored=loop
+    )
+
+
+async def finish_training(
+    ctx: RunContext, backend: TrainingBackend[Any], model: Any, tokenizer: Any, loop: LoopState, *,
+    export_dir: Path | None, static_blobs: Mapping[str, bytes], extra: Mapping[str, Any],
+    metrics: Mapping[str, float],
+) -> TrainResult:
+    """Final snapshot, optional HF export (of `model`, to `export_dir`), `train_end`."""
+    final = await snapshot_backend(
+        ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
+    )
+    if export_dir is not None:
+        export_model_dir(model, tokenizer, export_dir)
+        ctx.recorder.event("model_exported", dir=str(export_dir), snapshot_id=final)
+    ctx.recorder.event(
+        "train_end", steps=loop.step, final_snapshot_id=final, **{k.replace("/", "_"): v for k, v in metrics.items()}
+    )
+    return TrainResult(run_id=ctx.run.id, steps=loop.step, final_snapshot_id=final, metrics=dict(metrics))
