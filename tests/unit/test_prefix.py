@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rollout.losses.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
+from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 
 PAD = 0
 PROMPTS = [(5, 17, 9, 30, 4, 8, 21), (40, 2, 61), (11, 50, 3, 3, 9)]
@@ -117,7 +117,7 @@ def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
     from rollout.data.collate import collate_pairs
     from rollout.data.tokenize import TokenizedPair
     from rollout.losses.logps import sequence_logps
-    from rollout.losses.prefix import collate_shared_pairs, rows_logps
+    from rollout.models.prefix import collate_shared_pairs, rows_logps
 
     pairs = [
         TokenizedPair((5, 17, 9, 30, 4, 8), (5, 17, 9, 30, 77), 3, 3),

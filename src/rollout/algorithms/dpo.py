@@ -53,7 +53,7 @@ def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
     from rollout.losses.preference import dpo_loss
-    from rollout.losses.prefix import rows_logps
+    from rollout.models.prefix import rows_logps
 
     def loss_fn(model: Any, batch: DPOBatch) -> tuple[Any, dict[str, float]]:
         logps, counts = rows_logps(model, batch.tokens, batch.shared)
@@ -85,7 +85,7 @@ def collate_pair_batch(pairs: Sequence[Any], pad_id: int, device: Any) -> tuple[
     or None when a pair's sides disagree on the prompt tokens), on `device`."""
     from rollout.backends.torch_backend import move_to
     from rollout.data.collate import collate_pairs
-    from rollout.losses.prefix import collate_shared_pairs
+    from rollout.models.prefix import collate_shared_pairs
 
     tokens, n = collate_pairs(pairs, pad_id)
     shared = collate_shared_pairs(pairs, pad_id)

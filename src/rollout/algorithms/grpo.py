@@ -59,7 +59,7 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
     from rollout.losses.grpo import grpo_loss
-    from rollout.losses.prefix import prefix_logps
+    from rollout.models.prefix import prefix_logps
 
     def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model, batch.rows, with_entropy=True)
@@ -84,7 +84,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     from rollout.data.jsonl import read_rows
     from rollout.inference.types import SamplingParams
     from rollout.losses.grpo import compute_group_advantages, grpo_normalizer
-    from rollout.losses.prefix import collate_prefix, frozen_prefix_logps, pad_rows
+    from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows
     from rollout.rl.buffer import DataBuffer
     from rollout.rl.manager import RolloutManager
 

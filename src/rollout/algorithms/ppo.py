@@ -76,7 +76,7 @@ def _policy_and_value(policy: Any, value: Any) -> Any:
 
 def prefix_values(value_model: Any, rows: Any) -> Any:
     """[B, Lc]: column j holds V(prompt, completion < j), the value before completion token j."""
-    from rollout.losses.prefix import prefix_outputs
+    from rollout.models.prefix import prefix_outputs
 
     base = hf_model(value_model)
     hidden = prefix_outputs(base.base_model, rows, "last_hidden_state", base.config)
@@ -85,7 +85,7 @@ def prefix_values(value_model: Any, rows: Any) -> Any:
 
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
     from rollout.losses.ppo import ppo_loss
-    from rollout.losses.prefix import prefix_logps
+    from rollout.models.prefix import prefix_logps
 
     def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True)
@@ -108,7 +108,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     from rollout.data.jsonl import read_rows
     from rollout.inference.types import SamplingParams
     from rollout.losses.ppo import compute_gae, kl_penalized_rewards, whiten
-    from rollout.losses.prefix import collate_prefix, frozen_prefix_logps
+    from rollout.models.prefix import collate_prefix, frozen_prefix_logps
     from rollout.rl.buffer import DataBuffer
     from rollout.rl.manager import RolloutManager
 

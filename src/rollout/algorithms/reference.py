@@ -43,7 +43,7 @@ class Reference:
         `shared`: the same rows as a PrefixBatch, which runs each prompt once."""
         import torch
 
-        from rollout.losses.prefix import rows_logps
+        from rollout.models.prefix import rows_logps
 
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
