@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo
 
+from rollout.errors import ConfigError
+
 
 def _resolve_path(value: Path, info: ValidationInfo) -> Path:
     base = (info.context or {}).get("base_dir")
@@ -61,6 +63,8 @@ def format_validation_errors(
         keys = _locator_keys(e["loc"], data)
         locator = ".".join(keys) if keys else "<root>"
         line = _find_line(text, keys) if text else None
+        if text and e["type"] == "union_tag_invalid":  # point at the `kind = ...` line itself
+            line = _find_line(text, [*keys, str(e.get("ctx", {}).get("discriminator", "")).strip("'")]) or line
         found.add((line or 0, locator, _describe(e)))
     out = []
     for line, locator, problem in sorted(found):  # document order, then locator: deterministic
@@ -69,17 +73,35 @@ def format_validation_errors(
     return out
 
 
+def located_error(source: Path, keys: Sequence[str], problem: str) -> ConfigError:
+    """One problem found after validation (e.g. at plan time), located like a validation error:
+    `file:line: dotted.locator: problem` (without the line when the key is not in the file)."""
+    try:
+        text: str | None = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = None
+    line = _find_line(text, keys) if text else None
+    where = f"{source}:{line}: " if line else f"{source}: "
+    return ConfigError(f"{where}{'.'.join(keys)}: {problem}")
+
+
 def _locator_keys(loc: Sequence[int | str], data: Any) -> list[str]:
     """Map pydantic's loc to the user's keys, dropping discriminated-union tags.
 
     Pydantic inserts the union tag (e.g. 'adamw') into the loc; we walk the
     user's own data and keep only the segments that really are keys there.
+    A tag comes first where it is also a key: `[algorithm]` with `kind = "sft"`
+    has the loc `algorithm.sft.sft...` (the tag, then the `[algorithm.sft]` block).
     """
     keys: list[str] = []
     node = data
+    tag_skipped_in: Any = None  # the mapping whose union tag was dropped (a tag appears once per mapping)
     for i, part in enumerate(loc):
         is_last = i == len(loc) - 1
         if isinstance(node, Mapping):
+            if node is not tag_skipped_in and _is_union_tag(node, part):
+                tag_skipped_in = node
+                continue
             if part in node:
                 keys.append(str(part))
                 node = node[part]

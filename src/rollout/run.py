@@ -21,20 +21,24 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from rollout.algorithms.config import TrainCommon
+from rollout.algorithms.registry import TrainResult
 from rollout.backends.base import BackendState, TrainingBackend
 from rollout.checkpoint import LoopState, commit_train_state, read_train_state
 from rollout.config import RunConfig
 from rollout.data.loader import DataCursor
-from rollout.errors import AlgorithmError, RolloutError
+from rollout.errors import AlgorithmError, ConfigError, RolloutError
 from rollout.export import export_model_dir
 from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
 from rollout.rng import seed_everything
 from rollout.snapshots import prune_snapshots
 from rollout.store import open_object_store, open_store
-from rollout.store.base import RunRecord, SnapshotRecord, Store
+from rollout.store.base import RunRecord, RunStatus, SnapshotRecord, Store
 from rollout.store.objects import ObjectStore
+
+SettingsT = TypeVar("SettingsT", bound=TrainCommon)
 
 # --------------------------------------------------------------------------- run lifecycle
 
@@ -54,12 +58,13 @@ class RunContext:
     """train_state snapshots of this run to keep (older unlabeled ones are pruned); None keeps all."""
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    run_id: str
-    steps: int
-    final_snapshot_id: str
-    metrics: dict[str, float]
+def settings_for(cfg: RunConfig, settings: type[SettingsT]) -> SettingsT:
+    """`cfg`'s `[algorithm.<kind>]` block, checked to be a `settings` (the CLI matches the kind to
+    the sub-command; a direct caller of `train_<kind>` may not)."""
+    block = cfg.algorithm.settings
+    if not isinstance(block, settings):
+        raise ConfigError(f"algorithm.kind is {cfg.algorithm.kind!r}: its settings are not {settings.__name__}")
+    return block
 
 
 def open_stores(cfg: RunConfig) -> tuple[Store, ObjectStore]:
@@ -124,12 +129,12 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
         _end(ctx, heartbeat, "succeeded", None)
 
 
-def _end(ctx: RunContext, heartbeat: Heartbeat, status: str, error: str | None) -> None:
+def _end(ctx: RunContext, heartbeat: Heartbeat, status: RunStatus, error: str | None) -> None:
     try:
         ctx.recorder.close()
     finally:
         heartbeat.stop()  # after the recorder's last flush, before the final status
-        ctx.store.set_run_status(ctx.run.id, status, error=error)  # type: ignore[arg-type]
+        ctx.store.set_run_status(ctx.run.id, status, error=error)
         ctx.store.close()
 
 

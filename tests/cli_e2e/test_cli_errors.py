@@ -115,6 +115,17 @@ def test_algorithm_kind_must_match_subcommand(dry_run, tmp_path, write_config):
     assert_no_runs(tmp_path / "store" / "rollout.db")
 
 
+@pytest.mark.parametrize("command", CHECKS.values(), ids=CHECKS.keys())
+def test_unimplemented_backend_kind_is_refused_before_training(command, tmp_path, write_config):
+    """`backend.kind = "mock"` is valid config but no algorithm trains on it: refused at plan time, located."""
+    config = write_config(tmp_path / "run.toml", overrides={"backend": {"kind": "mock"}})
+    result = run_cli(*command, "--config", config)
+    line = line_of(config, 'kind = "mock"')
+    expected = f'{config}:{line}: backend.kind: "mock" is not implemented for sft (use "torch")'
+    assert_user_error(result, expected, exact=True)
+    assert_no_runs(tmp_path / "store" / "rollout.db")
+
+
 # --------------------------------------------------------------------------- data
 
 

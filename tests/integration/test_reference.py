@@ -35,8 +35,8 @@ def _first_loss(cfg, run_id):
 
 def test_lora_reference_is_the_policy_itself(workspace):
     """Under LoRA the reference is the adapter-disabled policy: no second model in memory."""
+    from rollout.algorithms.config import LoraConfig
     from rollout.algorithms.reference import build_reference
-    from rollout.config import LoraConfig
     from rollout.models.load import ModelSource, apply_lora, load_model
 
     base = ModelSource(uri=str(workspace / "models" / "tiny"))

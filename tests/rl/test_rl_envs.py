@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from rollout.errors import ConfigError
-from rollout.rl.envs import ENVS, ArithmeticEnv, MathAnswerEnv, resolve_env, reward_from_env
+from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.rl.envs import ArithmeticEnv, MathAnswerEnv, resolve_env, reward_from_env
 from rollout.rl.math_answer import extract_math_answer, math_answers_match, normalize_math_answer
 from rollout.rl.rewards import score_batch
 from rollout.rl.types import Env
@@ -104,7 +105,7 @@ def test_math_env() -> None:
 def test_resolve_env() -> None:
     assert resolve_env("arithmetic") is ArithmeticEnv
     assert resolve_env("math") is MathAnswerEnv
-    assert set(ENVS) == {"arithmetic", "math"}
+    assert set(BUILTIN_ENVS) == {"arithmetic", "math"}
     two_turn = resolve_env("rl_helpers:TwoTurnEnv")
     assert isinstance(two_turn(), Env)
     with pytest.raises(

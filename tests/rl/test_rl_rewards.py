@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rollout.errors import ConfigError
+from rollout.rl.builtins import BUILTIN_REWARDS
 from rollout.rl.rewards import (
-    REWARDS,
     arithmetic_correct,
     format_answer_only,
     math_answer,
@@ -39,7 +39,7 @@ def test_built_in_rewards() -> None:
 
 def test_resolve_reward() -> None:
     assert resolve_reward("arithmetic_correct") is arithmetic_correct
-    assert set(REWARDS) >= {"arithmetic_correct", "math_answer", "format_answer_only"}
+    assert set(BUILTIN_REWARDS) >= {"arithmetic_correct", "math_answer", "format_answer_only"}
     from rl_helpers import length_reward
 
     assert resolve_reward("rl_helpers:length_reward") is length_reward

@@ -76,6 +76,38 @@ def test_kind_must_match_block_and_budget_is_exactly_one(tmp_path):
     assert "algorithm.sft.budget: set exactly one of max_steps, max_epochs, max_tokens (got 2)" in str(err)
 
 
+def test_algorithm_kind_errors_are_located(tmp_path):
+    err = _bad(BASE.replace('kind = "sft"\n', 'kind = "xyz"\n', 1), tmp_path)
+    line = BASE.splitlines().index('kind = "sft"') + 1
+    assert str(err) == (
+        f"{tmp_path / 'run.toml'}:{line}: algorithm: unknown kind 'xyz'"
+        " (expected one of 'sft', 'rm', 'dpo', 'kto', 'grpo', 'ppo')"
+    )
+    err = _bad(BASE + "\n[algorithm.rm]\nminibatch_size = 1\n", tmp_path)
+    assert str(err).endswith('algorithm: [algorithm.rm] does not match kind = "sft"')
+
+
+def test_the_union_is_the_registry():
+    """One list of algorithms: the registry's kinds are the union's tags, each with its settings block."""
+    from rollout.algorithms.registry import ALGORITHMS
+
+    schema = RunConfig.model_json_schema()
+    assert set(schema["properties"]["algorithm"]["discriminator"]["mapping"]) == set(ALGORITHMS)
+    for kind, spec in ALGORITHMS.items():
+        variant = schema["$defs"][schema["properties"]["algorithm"]["discriminator"]["mapping"][kind].split("/")[-1]]
+        assert variant["properties"][kind] == {"$ref": f"#/$defs/{spec.settings.__name__}"}
+
+
+def test_canonical_json_keeps_every_algorithm_block_key():
+    """The union dumps the shape the run config always had (null for the other kinds), so the
+    config digest of an unchanged config is unchanged, and the dump validates again."""
+    cfg = parse_config(BASE, source=EXAMPLES / "x.toml")
+    dumped = json.loads(cfg.canonical_json())["algorithm"]
+    assert list(dumped) == ["dpo", "grpo", "kind", "kto", "ppo", "rm", "sft"]
+    assert dumped["kind"] == "sft" and dumped["rm"] is None and dumped["sft"]["minibatch_size"] == 32
+    assert RunConfig.model_validate(cfg.model_dump()) == cfg
+
+
 def test_schema_version_and_toml_syntax(tmp_path):
     err = _bad(BASE.replace("schema_version = 1", "schema_version = 2"), tmp_path)
     assert "schema_version: must be 1 (got 2)" in str(err)

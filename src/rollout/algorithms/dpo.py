@@ -18,21 +18,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.algorithms.config import DPOConfig
 from rollout.algorithms.reference import Reference, build_reference
+from rollout.algorithms.registry import TrainResult
 from rollout.backends.torch_backend import build_torch_backend
 from rollout.checkpoint import model_file_blobs, snapshot_due
-from rollout.config import DPOConfig, RunConfig
+from rollout.config import RunConfig
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
-    TrainResult,
     finish_training,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
+    settings_for,
     snapshot_backend,
     snapshot_extra,
 )
@@ -47,8 +49,9 @@ class DPOBatch:
 
 
 def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    s = settings_for(cfg, DPOConfig)
     with run_lifecycle(cfg, resume=resume) as ctx:
-        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+        return asyncio.run(_train(ctx, s))
 
 
 def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rollout.algorithms.config import GRPOConfig
+from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
@@ -28,17 +30,17 @@ from rollout.algorithms.rl_common import (
 )
 from rollout.backends.torch_backend import build_torch_backend
 from rollout.checkpoint import model_file_blobs
-from rollout.config import GRPOConfig, RunConfig
+from rollout.config import RunConfig
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, load_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
-    TrainResult,
     finish_training,
     prepare_process,
     restore_or_start,
     run_lifecycle,
+    settings_for,
     snapshot_extra,
 )
 
@@ -53,8 +55,9 @@ class GRPOBatch:
 
 
 def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    s = settings_for(cfg, GRPOConfig)
     with run_lifecycle(cfg, resume=resume) as ctx:
-        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+        return asyncio.run(_train(ctx, s))
 
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:

@@ -18,22 +18,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.algorithms.config import KTOConfig
 from rollout.algorithms.reference import Reference, build_reference
+from rollout.algorithms.registry import TrainResult
 from rollout.backends.torch_backend import build_torch_backend
 from rollout.checkpoint import model_file_blobs, snapshot_due
-from rollout.config import KTOConfig, RunConfig
+from rollout.config import RunConfig
 from rollout.data.tokenize import tokenize_aligned
 from rollout.errors import AlgorithmError, DataError
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
-    TrainResult,
     finish_training,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
+    settings_for,
     snapshot_backend,
     snapshot_extra,
 )
@@ -48,8 +50,9 @@ class KTOBatch:
 
 
 def train_kto(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    s = settings_for(cfg, KTOConfig)
     with run_lifecycle(cfg, resume=resume) as ctx:
-        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+        return asyncio.run(_train(ctx, s))
 
 
 def split_prompt(sample: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -16,21 +16,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.algorithms.config import RMConfig
+from rollout.algorithms.registry import TrainResult
 from rollout.backends.torch_backend import build_torch_backend
 from rollout.checkpoint import model_file_blobs, snapshot_due
-from rollout.config import RMConfig, RunConfig
+from rollout.config import RunConfig
 from rollout.data.tokenize import tokenize_aligned
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
-    TrainResult,
     finish_training,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
+    settings_for,
     snapshot_backend,
     snapshot_extra,
 )
@@ -44,8 +46,9 @@ class PairBatch:
 
 
 def train_rm(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    s = settings_for(cfg, RMConfig)
     with run_lifecycle(cfg, resume=resume) as ctx:
-        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+        return asyncio.run(_train(ctx, s))
 
 
 def score_sequences(model: Any, tokens: Any) -> Any:

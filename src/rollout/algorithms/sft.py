@@ -17,28 +17,31 @@ import asyncio
 import time
 from typing import Any
 
+from rollout.algorithms.config import SFTConfig
+from rollout.algorithms.registry import TrainResult
 from rollout.backends.torch_backend import build_torch_backend
 from rollout.checkpoint import model_file_blobs, snapshot_due
-from rollout.config import RunConfig, SFTConfig
+from rollout.config import RunConfig
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
-    TrainResult,
     finish_training,
     prepare_process,
     resolve_total_steps,
     restore_or_start,
     run_lifecycle,
+    settings_for,
     snapshot_backend,
     snapshot_extra,
 )
 
 
 def train_sft(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
+    s = settings_for(cfg, SFTConfig)
     with run_lifecycle(cfg, resume=resume) as ctx:
-        return asyncio.run(_train(ctx, cfg.algorithm.settings))  # type: ignore[arg-type]
+        return asyncio.run(_train(ctx, s))
 
 
 def make_sft_loss_fn(normalizer: float) -> Any:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 
+from rollout.algorithms.registry import ALGORITHMS
 from rollout.config import RunConfig, load_config
+from rollout.config_base import located_error
 from rollout.errors import DataError
-
-DATA_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
 
 
 def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
@@ -22,9 +22,20 @@ def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
         return f"dataset={ds.path}"
     from rollout.data.jsonl import scan_dataset
 
-    report = scan_dataset(ds.path, DATA_KINDS[cfg.algorithm.kind], on_bad_line=ds.on_bad_line)
+    report = scan_dataset(ds.path, ALGORITHMS[cfg.algorithm.kind].data_kind, on_bad_line=ds.on_bad_line)
     skipped = f" skipped={report.num_skipped}" if report.num_skipped else ""
     return f"dataset={ds.path} lines={report.num_valid}{skipped}"
+
+
+def check_runtime(cfg: RunConfig, *, source: Path) -> None:
+    """The algorithm runs on the configured backend and under the configured distribution
+    (the registry lists what each algorithm implements)."""
+    spec = ALGORITHMS[cfg.algorithm.kind]
+    for block, kind, implemented in (("backend", cfg.backend.kind, spec.backends),
+                                     ("distributed", cfg.distributed.kind, spec.distributed)):
+        if kind not in implemented:
+            choices = " or ".join(f'"{k}"' for k in implemented)
+            raise located_error(source, [block, "kind"], f'"{kind}" is not implemented for {spec.kind} (use {choices})')
 
 
 def check_model_path(cfg: RunConfig) -> None:
@@ -60,6 +71,7 @@ def validate(
 ) -> None:
     """Parse and validate a run config and its dataset's lines (no model, no plugins)."""
     cfg = load_config(config)
+    check_runtime(cfg, source=config)
     data = check_dataset(cfg, scan_lines=not no_data)
     check_plugins(cfg)
     s = cfg.algorithm.settings

@@ -1,12 +1,14 @@
-"""`rollout train sft|rm --config F [--resume ID] [--dry-run]`."""
+"""`rollout train <kind> --config F [--resume ID] [--dry-run]`, one sub-command per registered algorithm."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
-from rollout.cli.config_cmds import check_dataset, check_model_path, check_plugins
+from rollout.algorithms.registry import ALGORITHMS
+from rollout.cli.config_cmds import check_dataset, check_model_path, check_plugins, check_runtime
 from rollout.config import load_config
 from rollout.errors import ConfigError
 
@@ -24,6 +26,7 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
             f"{config}: algorithm.kind is {cfg.algorithm.kind!r} but this is `rollout train {kind}`"
         )
     s = cfg.algorithm.settings
+    check_runtime(cfg, source=config)
     if dry_run:
         check_dataset(cfg, scan_lines=False)
         typer.echo(
@@ -33,19 +36,8 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_dataset(cfg, scan_lines=True)
     check_model_path(cfg)
     check_plugins(cfg)
-    if kind == "sft":
-        from rollout.algorithms.sft import train_sft as run
-    elif kind == "rm":
-        from rollout.algorithms.rm import train_rm as run
-    elif kind == "dpo":
-        from rollout.algorithms.dpo import train_dpo as run
-    elif kind == "kto":
-        from rollout.algorithms.kto import train_kto as run
-    elif kind == "grpo":
-        from rollout.algorithms.grpo import train_grpo as run
-    else:
-        from rollout.algorithms.ppo import train_ppo as run
-    result = run(cfg, resume=resume)
+    train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
+    result = train(cfg, resume=resume)
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
     typer.echo(f"run {result.run_id} succeeded after {result.steps} steps")
     typer.echo(f"final snapshot {result.final_snapshot_id}")
@@ -56,37 +48,13 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
         typer.echo(f"exported model {s.export.dir}")
 
 
-@app.command("sft")
-def sft(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """Supervised fine-tuning."""
-    _train("sft", config, resume, dry_run)
+def _command(kind: str) -> Callable[..., None]:
+    def command(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
+        _train(kind, config, resume, dry_run)
+
+    command.__name__ = kind
+    return command
 
 
-@app.command("rm")
-def rm(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """Bradley–Terry reward model."""
-    _train("rm", config, resume, dry_run)
-
-
-@app.command("dpo")
-def dpo(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """Direct preference optimisation (loss_type sigmoid | ipo | hinge | robust)."""
-    _train("dpo", config, resume, dry_run)
-
-
-@app.command("kto")
-def kto(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """Kahneman–Tversky optimisation on unpaired good/bad completions."""
-    _train("kto", config, resume, dry_run)
-
-
-@app.command("grpo")
-def grpo(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """Group relative policy optimisation against rewards / a verifiable env."""
-    _train("grpo", config, resume, dry_run)
-
-
-@app.command("ppo")
-def ppo(config: Path = CONFIG, resume: str | None = RESUME, dry_run: bool = DRY_RUN) -> None:
-    """PPO with a value head, GAE and a KL penalty in the reward."""
-    _train("ppo", config, resume, dry_run)
+for _spec in ALGORITHMS.values():
+    app.command(_spec.kind, help=_spec.summary)(_command(_spec.kind))

@@ -7,7 +7,7 @@
     factory = resolve_env("math")                       # or "my_pkg.envs:ChessEnv"
     reward_fn = reward_from_env(factory)                # a batched async RewardFn
 
-An env reference in config is a built-in name (`ENVS`) or `module:attr` naming
+An env reference in config is a built-in name (`rl/builtins.py`) or `module:attr` naming
 an `EnvFactory` (a class or a function returning an `Env`).
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from rollout.errors import ConfigError
 from rollout.inference.types import Message, Prompt
+from rollout.rl.builtins import BUILTIN_ENVS
 from rollout.rl.math_answer import extract_math_answer, math_answers_match
 from rollout.rl.refs import is_ref, load_ref
 from rollout.rl.types import Env, EnvFactory, RewardFn, RewardValues, StepResult
@@ -74,17 +75,14 @@ class MathAnswerEnv:
         return StepResult((), 1.0 if correct else 0.0, True, {"extracted": extract_math_answer(completion)})
 
 
-ENVS: dict[str, EnvFactory] = {"arithmetic": ArithmeticEnv, "math": MathAnswerEnv}
-
-
 def resolve_env(name: str) -> EnvFactory:
     """A built-in env name or a `module:attr` reference, as an env factory (`ConfigError` otherwise)."""
-    if name in ENVS:
-        return ENVS[name]
+    if name in BUILTIN_ENVS:
+        return load_ref(BUILTIN_ENVS[name], what="env")  # type: ignore[return-value]
     if is_ref(name):
         return load_ref(name, what="env")  # type: ignore[return-value]
     raise ConfigError(
-        f"unknown env {name!r}: expected a built-in env ({', '.join(sorted(ENVS))}) or a"
+        f"unknown env {name!r}: expected a built-in env ({', '.join(sorted(BUILTIN_ENVS))}) or a"
         " 'module:attr' reference"
     )
 

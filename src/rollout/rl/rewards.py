@@ -29,6 +29,7 @@ from typing import Any
 
 from rollout.errors import ConfigError
 from rollout.inference.types import Prompt
+from rollout.rl.builtins import BUILTIN_REWARDS
 from rollout.rl.math_answer import math_answers_match
 from rollout.rl.refs import is_ref, load_ref
 from rollout.rl.types import RewardFn, RewardSpec, RewardValues
@@ -69,21 +70,14 @@ def _need_field(fn: str, field: str, values: list[Any] | None) -> list[Any]:
     return values
 
 
-REWARDS: dict[str, RewardFn] = {
-    "arithmetic_correct": arithmetic_correct,
-    "math_answer": math_answer,
-    "format_answer_only": format_answer_only,
-}
-
-
 def resolve_reward(name: str) -> RewardFn:
     """A built-in reward name or a `module:attr` reference, as a reward function (`ConfigError` otherwise)."""
-    if name in REWARDS:
-        return REWARDS[name]
+    if name in BUILTIN_REWARDS:
+        return load_ref(BUILTIN_REWARDS[name], what="reward function")  # type: ignore[return-value]
     if is_ref(name):
         return load_ref(name, what="reward function")  # type: ignore[return-value]
     raise ConfigError(
-        f"unknown reward function {name!r}: expected a built-in ({', '.join(sorted(REWARDS))}) or a"
+        f"unknown reward function {name!r}: expected a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) or a"
         " 'module:attr' reference"
     )
 

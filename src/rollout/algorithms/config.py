@@ -1,0 +1,338 @@
+"""The `[algorithm.<kind>]` blocks of a run config: one settings model per algorithm and the
+blocks they share (model, optimizer, schedule, budget, dataset, packing, snapshots, LoRA, export).
+
+    [algorithm]
+    kind = "sft"
+    [algorithm.sft]               # SFTConfig
+    minibatch_size = 32
+    [algorithm.sft.optimizer]     # AdamWConfig | SGDConfig, by kind
+    kind = "adamw"
+    lr = 3e-3
+
+`rollout.algorithms.registry` maps each kind to its settings class here;
+`rollout.config` builds the `[algorithm]` union and the whole `RunConfig`
+from it. No torch here: `validate` and `train --dry-run` import this.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from rollout.config_base import ConfigPath, StrictModel, resolve_model_uri
+from rollout.rl.builtins import BUILTIN_ENVS, BUILTIN_REWARDS
+
+_PLUGIN_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class BaseModelConfig(StrictModel):
+    """The model training starts from."""
+
+    uri: Annotated[str, AfterValidator(resolve_model_uri)] = Field(
+        min_length=1, description="Local model folder (relative to the config) or a hub id (online only)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    revision: str | None = Field(None, description="Hub revision (hub ids only).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
+
+
+class AdamWConfig(StrictModel):
+    """AdamW (Loshchilov & Hutter, 2019)."""
+
+    kind: Literal["adamw"]
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="Adam (beta1, beta2)."
+    )
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+
+
+class SGDConfig(StrictModel):
+    """Plain SGD with optional momentum."""
+
+    kind: Literal["sgd"]
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="Momentum factor.")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay.")
+    nesterov: bool = Field(False, description="Nesterov momentum (needs momentum > 0).")
+
+
+OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="kind")]
+
+
+class SchedulerConfig(StrictModel):
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak.")
+
+
+class BudgetConfig(StrictModel):
+    """When training stops: exactly one of max_steps, max_epochs, max_tokens."""
+
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps.")
+    max_epochs: float | None = Field(None, gt=0, description="Passes over the dataset (fractions allowed).")
+    max_tokens: int | None = Field(None, ge=1, description="Non-pad tokens seen.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BudgetConfig:
+        given = [n for n in ("max_steps", "max_epochs", "max_tokens") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of max_steps, max_epochs, max_tokens (got {len(given)})")
+        return self
+
+
+class JsonlDatasetConfig(StrictModel):
+    """A local JSONL file, one object per line (SPEC section 4)."""
+
+    kind: Literal["jsonl_path"] = Field("jsonl_path", description="jsonl_path (hf_dataset is planned).")
+    path: ConfigPath = Field(description="The JSONL file.")
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error", description="error: refuse the file; skip: drop bad lines and report the count."
+    )
+
+
+class PackingConfig(StrictModel):
+    """Sequence packing. Packed samples never attend to each other (block-diagonal mask)."""
+
+    kind: Literal["off", "bfd", "wrapped"] = Field(
+        "off", description="off: one sample per row; bfd: best-fit decreasing; wrapped: stream cut into rows."
+    )
+    max_seq_len: int = Field(512, ge=8, le=1_048_576, description="Row length; longer samples are truncated.")
+
+
+class LossOnConfig(StrictModel):
+    """Which tokens the SFT loss is computed on."""
+
+    kind: Literal["full", "completion", "assistant"] = Field(
+        "full", description="full: all; completion: the completion / last assistant turn; assistant: all assistant turns."
+    )
+
+
+class SnapshotConfig(StrictModel):
+    """train_state snapshot cadence. One is always saved at the end of training."""
+
+    every_steps: int | None = Field(None, ge=1, description="Save every N optimizer steps.")
+    keep_last: int | None = Field(3, ge=1, description="Prune older unlabeled snapshots of the run (None keeps all).")
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters through peft (Hu et al., 2021)."""
+
+    r: int = Field(8, ge=1, description="Rank.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1, description="Module names to adapt."
+    )
+
+
+class ExportConfig(StrictModel):
+    """Write a Hugging Face–loadable model folder at the end of training."""
+
+    dir: ConfigPath = Field(description="Output folder (overwritten).")
+
+
+class TrainCommon(StrictModel):
+    """What every algorithm block has: batch shape, model, optimizer, schedule, budget, data,
+    snapshots, LoRA and export."""
+
+    minibatch_size: int = Field(ge=1, le=65536, description="Rows per micro-batch.")
+    gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm (None: no clipping).")
+    base_model: BaseModelConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    budget: BudgetConfig
+    dataset: JsonlDatasetConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    export: ExportConfig | None = Field(None, description="Export the final model as a HF folder.")
+
+
+class SFTConfig(TrainCommon):
+    """Supervised fine-tuning: cross-entropy on the `loss_on` tokens."""
+
+    loss_on: LossOnConfig = Field(default_factory=LossOnConfig)
+
+
+class RMConfig(TrainCommon):
+    """Reward model: Bradley–Terry scalar head on the last non-pad token."""
+
+    head: Literal["bradley_terry"] = Field("bradley_terry", description="Reward head / loss.")
+    margin: float = Field(
+        0.0, description="Margin m in -log σ(r_c - r_r - m); a per-line `margin` field adds to it."
+    )
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Adds c·mean((r_c + r_r)²) to keep rewards centred (Eisenstein et al., 2023)."
+    )
+    loss_on: LossOnConfig = Field(default_factory=LossOnConfig, description="Only `full`: RM scores whole sequences.")
+
+    @model_validator(mode="after")
+    def _rm_shape(self) -> RMConfig:
+        if self.packing.kind != "off":
+            raise ValueError('packing.kind must be "off" for rm (pairs are scored one per row)')
+        if self.loss_on.kind != "full":
+            raise ValueError('loss_on.kind must be "full" for rm (the reward scores the whole sequence)')
+        return self
+
+
+class ReferenceConfig(StrictModel):
+    """The frozen reference policy of DPO/KTO.
+
+    By default a frozen copy of the base model; under LoRA (and the same uri)
+    the policy itself with its adapters disabled, so no second copy is held.
+    With `precompute = true` its log-probs are computed once before training
+    in a batched pass, stored content-addressed and reused by later runs on
+    the same model and data; the reference is then never loaded in training.
+    """
+
+    uri: Annotated[str, AfterValidator(resolve_model_uri)] | None = Field(
+        None, min_length=1, description="Reference model (default: base_model.uri)."
+    )
+    precompute: bool = Field(False, description="Compute reference log-probs once before training.")
+
+
+def _pairs_unpacked(block: TrainCommon, kind: str) -> None:
+    if block.packing.kind != "off":
+        raise ValueError(f'packing.kind must be "off" for {kind} (sequences are scored one per row)')
+
+
+class DPOConfig(TrainCommon):
+    """Direct preference optimisation and its variants (sigmoid, ipo, hinge, robust)."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid", description="sigmoid: DPO; ipo: IPO (length-averaged log-probs); hinge: SLiC; robust: rDPO."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed label-flip rate ε (cDPO for sigmoid, rDPO for robust)."
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _dpo_shape(self) -> DPOConfig:
+        _pairs_unpacked(self, "dpo")
+        if self.label_smoothing and self.loss_type in ("ipo", "hinge"):
+            raise ValueError(f"label_smoothing has no meaning for loss_type = {self.loss_type!r}")
+        return self
+
+
+class KTOConfig(TrainCommon):
+    """Kahneman–Tversky optimisation on unpaired desirable/undesirable completions."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    desirable_weight: float = Field(1.0, gt=0, description="λ_D, weight of desirable examples.")
+    undesirable_weight: float = Field(1.0, gt=0, description="λ_U, weight of undesirable examples.")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _kto_shape(self) -> KTOConfig:
+        _pairs_unpacked(self, "kto")
+        if self.minibatch_size < 2:
+            raise ValueError("minibatch_size must be >= 2 for kto (the KL estimate pairs mismatched lines)")
+        return self
+
+
+def _check_plugin_name(value: str, builtins: tuple[str, ...], what: str) -> str:
+    if value in builtins or _PLUGIN_REF.match(value):
+        return value
+    raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(builtins)} or 'module:attr'")
+
+
+class RewardSpec(StrictModel):
+    """One reward function: a built-in name or `module:attr`, with its weight in the sum."""
+
+    name: str = Field(description=f"Built-in ({', '.join(BUILTIN_REWARDS)}) or 'module:attr'.")
+    weight: float = Field(1.0, description="Weight of this reward in the weighted sum.")
+
+    @model_validator(mode="after")
+    def _known(self) -> RewardSpec:
+        _check_plugin_name(self.name, tuple(BUILTIN_REWARDS), "reward function")
+        return self
+
+
+class RLCommon(TrainCommon):
+    """Shared by GRPO and PPO: sampling, rewards, off-policy control.
+
+    `minibatch_size` counts *prompts* per optimizer step; each prompt gets
+    `num_generations` completions; `gradient_accumulation` splits the step's
+    sequences into that many micro-batches.
+    """
+
+    num_generations: int = Field(8, ge=1, le=4096, description="Completions sampled per prompt (a group).")
+    max_tokens: int = Field(16, ge=1, le=1_048_576, description="Most completion tokens per sample.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    rewards: tuple[RewardSpec, ...] = Field((), description="Reward functions, summed with their weights.")
+    env: str | None = Field(None, description=f"Env scoring completions: {', '.join(BUILTIN_ENVS)} or 'module:attr'.")
+    reward_timeout_s: float = Field(30.0, gt=0, description="Per reward-function call; failures drop samples.")
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer steps per generated batch.")
+    off_policy_steps: Literal[0, 1] = Field(
+        0, description="1: generate the next batch while training on this one (one-step off-policy)."
+    )
+    max_staleness: int = Field(1, ge=0, description="Drop carried samples more than this many versions old.")
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="Truncated importance-sampling cap on π_old/π_rollout (None: no correction)."
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+
+    @model_validator(mode="after")
+    def _rl_shape(self) -> RLCommon:
+        if not self.rewards and self.env is None:
+            raise ValueError("set `env` or at least one [[rewards]] entry")
+        if self.env is not None:
+            _check_plugin_name(self.env, tuple(BUILTIN_ENVS), "env")
+        if self.packing.kind != "off":
+            raise ValueError('packing.kind must be "off" for RL (max_seq_len bounds prompt + completion)')
+        if self.reference.precompute:
+            raise ValueError("reference.precompute is for offline data; RL samples change every step")
+        return self
+
+
+class GRPOConfig(RLCommon):
+    """Group relative policy optimisation and its variants (Dr. GRPO, DAPO, GSPO)."""
+
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to the reference (0: no reference model).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's std, the batch's std, or nothing (Dr. GRPO)."
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high (DAPO: 0.28).")
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field("token_mean", description="Loss aggregation.")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="token: GRPO; sequence: GSPO."
+    )
+    dynamic_sampling: bool = Field(False, description="Drop zero-variance groups and over-sample to refill (DAPO).")
+    max_oversample_rounds: int = Field(4, ge=1, description="Extra generation rounds to refill a filtered batch.")
+
+    @model_validator(mode="after")
+    def _groups(self) -> GRPOConfig:
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be >= 2 for grpo (advantages are relative to the group)")
+        return self
+
+
+class PPOConfig(RLCommon):
+    """PPO with a learned value head, GAE and a KL penalty folded into the reward."""
+
+    num_generations: int = Field(1, ge=1, le=4096, description="Completions sampled per prompt.")
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip.")
+    clip_value: float = Field(0.2, gt=0, description="Value clip around the old values.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
+    value_lr: float | None = Field(
+        None, gt=0,
+        description="Peak learning rate of the value model (default: optimizer.lr). A critic that learns faster"
+        " than the policy gives a per-prompt baseline sooner (verl's critic lr, OpenRLHF's critic_learning_rate).",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    kl_coef: float = Field(0.05, ge=0, description="KL penalty folded into the per-token reward.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the batch.")
+
