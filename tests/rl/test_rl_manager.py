@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from rollout.errors import ConfigError
+from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import GenerationRequest, SamplingParams, derive_seed
 from rollout.rl.buffer import DataBuffer, epoch_order
 from rollout.rl.manager import RolloutManager
@@ -36,7 +37,7 @@ def make_manager(engine, rows, **overrides) -> RolloutManager:
         seed=0,
     )
     settings.update(overrides)
-    return RolloutManager(engine, rows, DataBuffer(len(rows), seed=settings["seed"]), **settings)
+    return RolloutManager(EngineSampler(engine), rows, DataBuffer(len(rows), seed=settings["seed"]), **settings)
 
 
 def next_batch(manager: RolloutManager, policy_version: int = 0):
@@ -257,7 +258,7 @@ def test_invalid_settings_are_config_errors(rl_engine) -> None:
         )
     with pytest.raises(ConfigError, match="the data buffer has 4 rows but the dataset has 3"):
         RolloutManager(
-            rl_engine,
+            EngineSampler(rl_engine),
             rows,
             DataBuffer(4, seed=0),
             reward_fns=[("a", arithmetic_correct, 1.0)],

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rollout.algorithms.config import GRPOConfig
+from rollout.algorithms.reference import build_model_reference
 from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
@@ -28,12 +31,19 @@ from rollout.algorithms.rl_common import (
     resolve_reward_specs,
     snapshot_rl,
 )
-from rollout.backends.torch_backend import build_torch_backend
-from rollout.checkpoint import model_file_blobs
+from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
+from rollout.data.jsonl import read_rows
 from rollout.errors import AlgorithmError
-from rollout.models.load import ModelSource, load_model, load_tokenizer, load_trainable
+from rollout.inference.sampler import EngineSampler
+from rollout.inference.types import SamplingParams
+from rollout.losses.grpo import compute_group_advantages, grpo_loss, grpo_normalizer
+from rollout.models.load import ModelSource, load_tokenizer, load_trainable
+from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 from rollout.progress import TrainProgress
+from rollout.rl.buffer import DataBuffer
+from rollout.rl.manager import RolloutManager
 from rollout.run import (
     RunContext,
     finish_training,
@@ -61,9 +71,6 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
-    from rollout.losses.grpo import grpo_loss
-    from rollout.models.prefix import prefix_logps
-
     def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model, batch.rows, with_entropy=True)
         mask = batch.rows.completion_mask
@@ -81,16 +88,6 @@ def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
 
 
 async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
-    import torch
-
-    from rollout.backends.torch_backend import pick_device
-    from rollout.data.jsonl import read_rows
-    from rollout.inference.types import SamplingParams
-    from rollout.losses.grpo import compute_group_advantages, grpo_normalizer
-    from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows
-    from rollout.rl.buffer import DataBuffer
-    from rollout.rl.manager import RolloutManager
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
@@ -99,11 +96,12 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     tokenizer = load_tokenizer(base_model)
     rows, report = read_rows(s.dataset.path, "prompt", on_bad_line=s.dataset.on_bad_line)
     data = [r.data for r in rows]
-    reward_fns = resolve_reward_specs(s)
+    reward_fns = resolve_reward_specs([(r.name, r.weight) for r in s.rewards], s.env)
     device = pick_device(cfg.backend.device)
-    engine = build_engine(s, cfg.inference, device)
+    engine, weight_sync = build_engine(base_model, inference=cfg.inference, device=device,
+                                       weights_dir=ctx.run_dir / "weights")
     manager = RolloutManager(
-        engine, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
+        EngineSampler(engine), data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
         num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
         seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
@@ -119,28 +117,18 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         base_model, task="causal_lm", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
         lora=s.lora.model_dump() if s.lora else None,
     )
-    ref_model, ref_adapter = None, False
-    if s.beta > 0:
-        ref_uri = s.reference.uri or s.base_model.uri
-        if s.lora is not None and ref_uri == s.base_model.uri:
-            ref_model, ref_adapter = model, True
-        else:
-            ref_model = load_model(replace(base_model, uri=ref_uri), task="causal_lm",
-                                   pad_token_id=tokenizer.pad_token_id, seed=cfg.seed).to(device).eval()
-            ref_model.requires_grad_(False)
+    ref = build_model_reference(
+        model, base=base_model, reference_uri=s.reference.uri, lora=s.lora is not None,
+        pad_token_id=tokenizer.pad_token_id, device=device, seed=cfg.seed,
+    ) if s.beta > 0 else None
     backend = build_torch_backend(
         model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
-    source = BatchSource(manager, engine, ctx, pipelined=s.off_policy_steps == 1)
-    version = 0
-    if ctx.resume_from is not None:
-        state = loop.restored
-        manager.load_state_dict(state["manager"])
-        source.restore(state.get("pending"))
-        version = state["version"]
+    source = BatchSource(manager, weight_sync, pipelined=s.off_policy_steps == 1)
+    version = source.restore(loop) if ctx.resume_from is not None else 0
 
     extra = snapshot_extra(cfg, model_class="causal_lm")
     rec.event(
@@ -178,9 +166,8 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
                                        rows.completion_ids.shape[1]).to(device)
                     old = frozen_prefix_logps(model, rows) if stale else None
-                    ref = (frozen_prefix_logps(ref_model, rows, adapter_disabled=ref_adapter)
-                           if ref_model is not None else None)
-                    micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref, rollout))
+                    ref_logps = ref.token_logps(rows) if ref is not None else None
+                    micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref_logps, rollout))
                 normalizer = grpo_normalizer(s.loss_agg, [m.rows.completion_mask for m in micro], s.max_tokens)
                 # ---- train: num_iterations optimizer steps on this batch
                 loss_fn = make_grpo_loss_fn(s, normalizer)
@@ -218,10 +205,9 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0)})
                 version += 1
                 # ---- snapshot at batch boundaries
-                every = s.snapshot.every_steps
-                if every and loop.step < total_steps and loop.step // every > (loop.step - s.num_iterations) // every:
-                    await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
-        await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
+                if snapshot_due(s.snapshot.every_steps, loop.step, total_steps, steps_taken=s.num_iterations):
+                    await snapshot_rl(ctx, backend, source, loop, version, static_blobs, extra)
+        await snapshot_rl(ctx, backend, source, loop, version, static_blobs, extra)
         await source.finish(backend.export_weights, version)
     finally:
         await source.close()

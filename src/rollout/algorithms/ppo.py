@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rollout.algorithms.config import PPOConfig
+from rollout.algorithms.reference import build_model_reference
 from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
@@ -32,12 +35,19 @@ from rollout.algorithms.rl_common import (
     resolve_reward_specs,
     snapshot_rl,
 )
-from rollout.backends.torch_backend import build_torch_backend
-from rollout.checkpoint import model_file_blobs
+from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
+from rollout.data.jsonl import read_rows
 from rollout.errors import AlgorithmError
+from rollout.inference.sampler import EngineSampler
+from rollout.inference.types import SamplingParams
+from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss, whiten
 from rollout.models.load import ModelSource, hf_model, load_model, load_tokenizer, load_trainable
+from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_logps, prefix_outputs
 from rollout.progress import TrainProgress
+from rollout.rl.buffer import DataBuffer
+from rollout.rl.manager import RolloutManager
 from rollout.run import (
     RunContext,
     finish_training,
@@ -67,8 +77,6 @@ def train_ppo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 
 def _policy_and_value(policy: Any, value: Any) -> Any:
-    import torch
-
     class PolicyAndValue(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -79,17 +87,12 @@ def _policy_and_value(policy: Any, value: Any) -> Any:
 
 def prefix_values(value_model: Any, rows: Any) -> Any:
     """[B, Lc]: column j holds V(prompt, completion < j), the value before completion token j."""
-    from rollout.models.prefix import prefix_outputs
-
     base = hf_model(value_model)
     hidden = prefix_outputs(base.base_model, rows, "last_hidden_state", base.config)
     return base.score(hidden).squeeze(-1).float()
 
 
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
-    from rollout.losses.ppo import ppo_loss
-    from rollout.models.prefix import prefix_logps
-
     def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True)
         values = prefix_values(model.value, b.rows)
@@ -105,16 +108,6 @@ def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
 
 
 async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
-    import torch
-
-    from rollout.backends.torch_backend import pick_device
-    from rollout.data.jsonl import read_rows
-    from rollout.inference.types import SamplingParams
-    from rollout.losses.ppo import compute_gae, kl_penalized_rewards, whiten
-    from rollout.models.prefix import collate_prefix, frozen_prefix_logps
-    from rollout.rl.buffer import DataBuffer
-    from rollout.rl.manager import RolloutManager
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
     if s.budget.max_steps is None:
@@ -126,11 +119,12 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     pad_id = tokenizer.pad_token_id
     rows, report = read_rows(s.dataset.path, "prompt", on_bad_line=s.dataset.on_bad_line)
     data = [r.data for r in rows]
-    reward_fns = resolve_reward_specs(s)
+    reward_fns = resolve_reward_specs([(r.name, r.weight) for r in s.rewards], s.env)
     device = pick_device(cfg.backend.device)
-    engine = build_engine(s, cfg.inference, device)
+    engine, weight_sync = build_engine(base_model, inference=cfg.inference, device=device,
+                                       weights_dir=ctx.run_dir / "weights")
     manager = RolloutManager(
-        engine, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
+        EngineSampler(engine), data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
         num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
         seed=cfg.seed, max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
@@ -143,15 +137,10 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     )
     value = load_model(base_model, task="reward", pad_token_id=pad_id, seed=cfg.seed + 1)
     model = _policy_and_value(policy, value).to(device)
-    ref_model, ref_adapter = None, False
-    if s.kl_coef > 0:
-        ref_uri = s.reference.uri or s.base_model.uri
-        if s.lora is not None and ref_uri == s.base_model.uri:
-            ref_model, ref_adapter = policy, True
-        else:
-            ref_model = load_model(replace(base_model, uri=ref_uri), task="causal_lm",
-                                   pad_token_id=pad_id, seed=cfg.seed).to(device).eval()
-            ref_model.requires_grad_(False)
+    ref = build_model_reference(
+        policy, base=base_model, reference_uri=s.reference.uri, lora=s.lora is not None, pad_token_id=pad_id,
+        device=device, seed=cfg.seed,
+    ) if s.kl_coef > 0 else None
     groups = None
     if s.value_lr is not None:  # the value model learns at its own rate; the schedule scales both
         groups = [{"params": list(policy.parameters())}, {"params": list(value.parameters()), "lr": s.value_lr}]
@@ -161,12 +150,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     )
     static_blobs = model_file_blobs(policy, tokenizer)
     loop = await restore_or_start(ctx, backend)
-    source = BatchSource(manager, engine, ctx, pipelined=s.off_policy_steps == 1)
-    version = 0
-    if ctx.resume_from is not None:
-        manager.load_state_dict(loop.restored["manager"])
-        source.restore(loop.restored.get("pending"))
-        version = loop.restored["version"]
+    source = BatchSource(manager, weight_sync, pipelined=s.off_policy_steps == 1)
+    version = source.restore(loop) if ctx.resume_from is not None else 0
 
     extra = snapshot_extra(cfg, model_class="causal_lm", policy_prefix=POLICY)
     rec.event("train_start", algorithm="ppo", total_steps=total_steps, start_step=loop.step, device=str(device),
@@ -191,8 +176,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                     model.eval()
                     old_logps = frozen_prefix_logps(policy, rows)
                     old_values = prefix_values(value, rows) * mask
-                    ref_logps = (frozen_prefix_logps(ref_model, rows, adapter_disabled=ref_adapter)
-                                 if ref_model is not None else old_logps)
+                    ref_logps = ref.token_logps(rows) if ref is not None else old_logps
                     model.train()
                     scores = torch.tensor([x.reward for x in samples], dtype=torch.float32, device=device)
                     token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, kl_coef=s.kl_coef)
@@ -237,10 +221,9 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                               reward_mean=last.get("rollout/reward_mean"), lr=result.lr)
                     progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0)})
                 version += 1
-                every = s.snapshot.every_steps
-                if every and loop.step < total_steps and loop.step // every > (loop.step - s.num_iterations) // every:
-                    await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
-        await snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra)
+                if snapshot_due(s.snapshot.every_steps, loop.step, total_steps, steps_taken=s.num_iterations):
+                    await snapshot_rl(ctx, backend, source, loop, version, static_blobs, extra)
+        await snapshot_rl(ctx, backend, source, loop, version, static_blobs, extra)
         await source.finish(_policy_export(backend), version)
     finally:
         await source.close()

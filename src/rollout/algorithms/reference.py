@@ -1,4 +1,4 @@
-"""The frozen reference policy of DPO and KTO, in its three forms.
+"""The frozen reference policy of DPO, KTO, GRPO (beta > 0) and PPO (kl_coef > 0), in its three forms.
 
 - `copy`: a second, frozen model loaded from `reference.uri` (default: the base model).
 - `adapter`: under LoRA with the reference being the base model, the policy
@@ -8,7 +8,10 @@
   object store as a labeled `buffer` snapshot keyed by a digest of the
   reference model files, the tokenized data and the settings, and reused by
   any later run (or resume) with the same key. The reference model is never
-  held during training.
+  held during training. (Offline data only: RL samples change every step.)
+
+DPO/KTO score whole sequences (`Reference.logps`); GRPO/PPO score every
+completion token (`Reference.token_logps`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import blake3
 
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, load_model
+from rollout.models.prefix import PrefixBatch, frozen_prefix_logps, rows_logps
 from rollout.run import RunContext
 
 TABLE_LABEL = "reference_logps:"
@@ -43,8 +47,6 @@ class Reference:
         `shared`: the same rows as a PrefixBatch, which runs each prompt once."""
         import torch
 
-        from rollout.models.prefix import rows_logps
-
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
         guard = self.model.disable_adapter() if self.kind == "adapter" else nullcontext()
@@ -56,6 +58,22 @@ class Reference:
         finally:
             self.model.train(was_training)
         return logps.float()
+
+    def token_logps(self, rows: PrefixBatch) -> Any:
+        """[B, Lc] reference log-probs of every completion token of `rows` (a model reference only)."""
+        return frozen_prefix_logps(self.model, rows, adapter_disabled=self.kind == "adapter")
+
+
+def build_model_reference(
+    policy: Any, *, base: ModelSource, reference_uri: str | None, lora: bool, pad_token_id: int, device: Any,
+    seed: int,
+) -> Reference:
+    """A reference that runs a model: the adapter-disabled policy under LoRA (when the reference is
+    the base model), else a frozen copy of `reference_uri` (default: the base model)."""
+    uri = reference_uri or base.uri
+    if lora and uri == base.uri:
+        return Reference(kind="adapter", model=policy)
+    return Reference(kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed))
 
 
 def build_reference(
@@ -79,9 +97,8 @@ def build_reference(
     if precompute:
         return _table(ctx, policy, base=base, uri=uri, lora=lora and shares_base, pad_token_id=pad_token_id,
                       device=device, seed=seed, precompute_fn=precompute_fn, data_digest=data_digest)
-    if lora and shares_base:
-        return Reference(kind="adapter", model=policy)
-    return Reference(kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed))
+    return build_model_reference(policy, base=base, reference_uri=reference_uri, lora=lora,
+                                 pad_token_id=pad_token_id, device=device, seed=seed)
 
 
 def _frozen_copy(base: ModelSource, uri: str, pad_token_id: int, device: Any, seed: int) -> Any:

@@ -1,9 +1,10 @@
-"""Pieces GRPO and PPO share: the sampling engine, rewards, the rollout
-manager, token-level log-probs, and the (optionally pipelined) batch source.
+"""Pieces GRPO and PPO share: the sampling engine and its weight sync, rewards,
+the (optionally pipelined) batch source, and the RL snapshot. Each recipe still
+builds its own manager, model and loop.
 
 Pipelining (`off_policy_steps = 1`): the batch for step t+1 is generated
 while step t trains. The engine holds its own copy of the weights, updated
-through `update_weights` after each step, so generation and training never
+through the `WeightSync` after each step, so generation and training never
 share tensors; a batch trained at step t was sampled with the weights of step
 t-1 (staleness 1), and the importance-sampling correction uses the engine's
 own log-probs. A batch generated but not yet trained is part of the snapshot,
@@ -15,85 +16,65 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from rollout.backends.base import TrainingBackend
+from rollout.checkpoint import LoopState
 from rollout.errors import AlgorithmError
+from rollout.inference.build import build_engine as build_configured_engine
+from rollout.inference.config import InferenceConfig
+from rollout.inference.hf_engine import load_hf_engine
+from rollout.inference.models import ResolvedModel
+from rollout.inference.types import InferenceEngine
+from rollout.inference.weight_sync import DiskReloadWeightSync, InProcessWeightSync, WeightSync
+from rollout.models.load import ModelSource
+from rollout.rl.envs import resolve_env, reward_from_env
+from rollout.rl.manager import RolloutManager
+from rollout.rl.rewards import resolve_reward
+from rollout.rl.types import RewardSpec, RolloutBatch, Sample
 from rollout.run import RunContext, snapshot_backend
 
+Weights = Mapping[str, torch.Tensor]
 
-def resolve_reward_specs(s: Any) -> list[tuple[str, Any, float]]:
-    """(name, callable, weight) for every [[rewards]] entry, plus the env as a reward."""
-    from rollout.rl.envs import resolve_env, reward_from_env
-    from rollout.rl.rewards import resolve_reward
 
-    specs = [(r.name, resolve_reward(r.name), r.weight) for r in s.rewards]
-    if s.env is not None:
-        specs.append((f"env:{s.env}", reward_from_env(resolve_env(s.env), name=s.env), 1.0))
+def resolve_reward_specs(rewards: Sequence[tuple[str, float]], env: str | None) -> list[RewardSpec]:
+    """(name, callable, weight) for every `(name, weight)` of [[rewards]], plus the env as a reward."""
+    specs = [(name, resolve_reward(name), weight) for name, weight in rewards]
+    if env is not None:
+        specs.append((f"env:{env}", reward_from_env(resolve_env(env), name=env), 1.0))
     return specs
 
 
-def build_engine(s: Any, inference: Any, device: Any) -> Any:
-    """The sampling engine: in-process hf engine by default, or the configured [inference] engine."""
+def build_engine(
+    base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path
+) -> tuple[InferenceEngine, WeightSync]:
+    """The sampling engine and how new weights reach it: the in-process hf engine by default
+    (tensors handed over), or the configured [inference] engine (reloads `weights_dir/v<version>`)."""
     if inference is not None and inference.engine != "hf":
-        from rollout.inference.build import build_engine as build_configured
-        from rollout.inference.models import ResolvedModel
-
-        uri = s.base_model.uri
-        return build_configured(inference, ResolvedModel(uri, inference.model or uri, fixed_identity=None))
-    from rollout.inference.hf_engine import load_hf_engine
-
-    return load_hf_engine(
-        s.base_model.uri, dtype=s.base_model.dtype, device=str(device),
+        uri = base_model.uri
+        engine = build_configured_engine(inference, ResolvedModel(uri, inference.model or uri, fixed_identity=None))
+        return engine, DiskReloadWeightSync(engine, weights_dir)
+    engine = load_hf_engine(
+        base_model.uri, dtype=base_model.dtype, device=str(device),
         max_batch_size=inference.max_batch_size if inference is not None else 256,
-        trust_remote_code=s.base_model.trust_remote_code,
+        trust_remote_code=base_model.trust_remote_code,
     )
+    return engine, InProcessWeightSync(engine)
 
 
-def push_weights(engine: Any, weights: dict[str, Any], *, ctx: RunContext, version: int) -> None:
-    """In-process engines take the tensors; remote ones reload from a folder this run writes.
-
-    The remote folder is `runs/<run>/weights/v<version>` (the server must see the same
-    filesystem, as with SGLang's `update_weights_from_disk`); once the server has
-    loaded it, the folder of the previous version is removed so pushes do not pile up.
-    """
-    if not is_remote(engine):
-        engine.update_weights(weights)
-        return
-    import shutil
-
-    import safetensors.torch
-
-    root = ctx.run_dir / "weights"
-    folder = root / f"v{version}"
-    folder.mkdir(parents=True, exist_ok=True)
-    # a copy of every tensor: tied weights (embeddings = lm_head) share storage, which safetensors refuses
-    safetensors.torch.save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()},
-                                folder / "model.safetensors")
-    engine.update_weights(str(folder))
-    for old in root.iterdir():
-        if old != folder:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def is_remote(engine: Any) -> bool:
-    """Whether `engine` generates elsewhere (weights travel through a folder), not in this process."""
-    from rollout.inference.hf_engine import HFEngine
-
-    return not isinstance(engine, HFEngine)
-
-
-def batch_to_dict(batch: Any) -> dict[str, Any]:
+def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
     return {
         "samples": [s.to_dict() for s in batch.samples], "num_prompts": batch.num_prompts,
         "policy_version": batch.policy_version, "metrics": dict(batch.metrics),
     }
 
 
-def batch_from_dict(data: dict[str, Any]) -> Any:
-    from rollout.rl.types import RolloutBatch, Sample
-
+def batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
     return RolloutBatch(
         samples=tuple(Sample.from_dict(s) for s in data["samples"]), num_prompts=data["num_prompts"],
         policy_version=data["policy_version"], metrics=data["metrics"],
@@ -102,37 +83,38 @@ def batch_from_dict(data: dict[str, Any]) -> Any:
 
 @dataclass
 class BatchSource:
-    """Hands out rollout batches, on-policy or one step ahead (pipelined)."""
+    """Hands out rollout batches, on-policy or one step ahead (pipelined), and carries the
+    rollout side's state (the manager's, and a batch generated ahead) across snapshots."""
 
-    manager: Any
-    engine: Any
-    ctx: RunContext
+    manager: RolloutManager
+    weight_sync: WeightSync
     pipelined: bool
-    pending: Any = None  # asyncio.Task or a finished RolloutBatch
+    pending: asyncio.Future[RolloutBatch] | RolloutBatch | None = None
     gen_wait_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
-    async def next(self, weights: dict[str, Any], version: int) -> Any:
+    async def next(self, weights: Weights, version: int) -> RolloutBatch:
         """The batch to train on now; the engine gets `weights` (policy version `version`) first."""
         t0 = time.perf_counter()
         if not self.pipelined:
-            push_weights(self.engine, weights, ctx=self.ctx, version=version)
+            self.weight_sync.push(weights, version=version)
             batch = await self.manager.next_batch(version)
         else:
             fresh = self.pending is None  # first step of a fresh run: the engine has these weights next
             if fresh:
-                push_weights(self.engine, weights, ctx=self.ctx, version=version)
+                self.weight_sync.push(weights, version=version)
                 self.pending = asyncio.ensure_future(self.manager.next_batch(version))
             batch = await self._take()
             if not fresh:
-                push_weights(self.engine, weights, ctx=self.ctx, version=version)
+                self.weight_sync.push(weights, version=version)
             self.pending = asyncio.ensure_future(self.manager.next_batch(version))
             await asyncio.sleep(0)  # let generation start before training blocks the loop
         self.gen_wait_s = time.perf_counter() - t0
         return batch
 
-    async def _take(self) -> Any:
+    async def _take(self) -> RolloutBatch:
         pending, self.pending = self.pending, None
+        assert pending is not None
         return await pending if isinstance(pending, asyncio.Future) else pending
 
     async def settle(self) -> dict[str, Any] | None:
@@ -143,14 +125,20 @@ class BatchSource:
             self.pending = await self.pending
         return batch_to_dict(self.pending)
 
-    def restore(self, pending: dict[str, Any] | None) -> None:
+    def restore(self, loop: LoopState) -> int:
+        """Continue from a resumed run's loop state: the manager's state and any batch generated
+        ahead; returns the policy version to continue from."""
+        self.manager.load_state_dict(loop.restored["manager"])
+        pending = loop.restored.get("pending")
         self.pending = batch_from_dict(pending) if pending is not None else None
+        version: int = loop.restored["version"]
+        return version
 
-    async def finish(self, export: Callable[[], Awaitable[dict[str, Any]]], version: int) -> None:
-        """After the last step: a remote server gets the final policy (users may keep serving it)."""
+    async def finish(self, export: Callable[[], Awaitable[Weights]], version: int) -> None:
+        """After the last step: an engine that keeps serving gets the final policy."""
         await self.close()
-        if is_remote(self.engine):
-            push_weights(self.engine, await export(), ctx=self.ctx, version=version)
+        if self.weight_sync.keeps_serving:
+            self.weight_sync.push(await export(), version=version)
 
     async def close(self) -> None:
         if isinstance(self.pending, asyncio.Future):
@@ -158,7 +146,7 @@ class BatchSource:
                 await self.pending
 
 
-def require_samples(batch: Any, step: int, empty_streak: int) -> int:
+def require_samples(batch: RolloutBatch, step: int, empty_streak: int) -> int:
     """Count consecutive empty batches; fail clearly instead of spinning forever."""
     if batch.ok_samples():
         return 0
@@ -170,8 +158,11 @@ def require_samples(batch: Any, step: int, empty_streak: int) -> int:
     return empty_streak + 1
 
 
-async def snapshot_rl(ctx, backend, source, manager, loop, version, static_blobs, extra) -> str:  # noqa: ANN001
+async def snapshot_rl(
+    ctx: RunContext, backend: TrainingBackend[Any], source: BatchSource, loop: LoopState, version: int,
+    static_blobs: Mapping[str, bytes], extra: Mapping[str, Any],
+) -> str:
     """A train_state snapshot that also holds the manager's state and any batch generated ahead."""
     pending = await source.settle()
-    state = {**loop.to_dict(), "manager": manager.state_dict(), "pending": pending, "version": version}
+    state = {**loop.to_dict(), "manager": source.manager.state_dict(), "pending": pending, "version": version}
     return await snapshot_backend(ctx, backend, step=loop.step, loop_state=state, static_blobs=static_blobs, extra=extra)

@@ -187,7 +187,7 @@ class HFEngine:
         fine) or a folder / file of safetensors, e.g. a `save_pretrained` output.
         It waits for the forward pass in progress; sequences still decoding in
         another thread continue with the new weights (the server avoids that by
-        draining its batch first, see `serve/batcher.py`).
+        draining its batch first, see `inference/sampler.py`).
         """
         state = _read_safetensors(Path(weights)) if isinstance(weights, str | PathLike) else weights
         current = self.model.state_dict()

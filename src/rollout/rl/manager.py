@@ -1,6 +1,6 @@
 """`RolloutManager`: draw prompts, generate groups, score them, filter, and hand the learner a batch.
 
-    manager = RolloutManager(engine, rows, DataBuffer(len(rows), seed=0),
+    manager = RolloutManager(EngineSampler(engine), rows, DataBuffer(len(rows), seed=0),
                              reward_fns=[("correct", arithmetic_correct, 1.0)],
                              num_generations=8, prompts_per_batch=16,
                              sampling=SamplingParams(temperature=1.0, max_tokens=32), seed=0,
@@ -11,8 +11,9 @@
 One call runs rounds. A round draws `k` rows from the buffer; each row becomes
 a group with a fresh `group_id` and one request for `num_generations` choices
 seeded by `derive_seed(seed, group_id)`. All requests of a round go to the
-engine in one `generate` call (in a worker thread; the engine batches), then
-every reward function scores the round's completions at once (`score_batch`).
+sampler together (`submit_all`: with an `EngineSampler`, one `generate` call
+on a worker thread; the engine batches), then every reward function scores
+the round's completions at once (`score_batch`).
 
 Failures are data: a sample whose reward failed or abstained everywhere is
 kept in its group with status "dropped". A group is usable when it has at
@@ -42,10 +43,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout.errors import ConfigError
+from rollout.inference.sampler import Sampler
 from rollout.inference.types import (
     Completion,
     GenerationRequest,
-    InferenceEngine,
     Prompt,
     SamplingParams,
     derive_seed,
@@ -75,11 +76,11 @@ class _CallStats:
 
 
 class RolloutManager:
-    """Produces `RolloutBatch`es of scored groups from an engine, a dataset and reward functions."""
+    """Produces `RolloutBatch`es of scored groups from a sampler, a dataset and reward functions."""
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        sampler: Sampler,
         rows: Sequence[Mapping[str, Any]],
         buffer: DataBuffer,
         *,
@@ -120,7 +121,7 @@ class RolloutManager:
             problems.append(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
         if problems:
             raise ConfigError(f"invalid rollout settings: {problems[0]}", details=problems[1:])
-        self.engine = engine
+        self.sampler = sampler
         self.rows = rows
         self.buffer = buffer
         self.reward_fns = tuple(reward_fns)
@@ -203,7 +204,7 @@ class RolloutManager:
             for i, gid in zip(indices, group_ids, strict=True)
         ]
         started = time.perf_counter()
-        outputs: list[tuple[Completion, ...]] = await asyncio.to_thread(self.engine.generate, requests)
+        outputs: list[tuple[Completion, ...]] = await asyncio.gather(*self.sampler.submit_all(requests))
         stats.generation_s += time.perf_counter() - started
         stats.rounds += 1
         stats.groups_generated += k

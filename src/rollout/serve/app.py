@@ -7,7 +7,7 @@ Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
 400 for a malformed or unsupported body (FastAPI's 422 included), 401 for a
 missing or wrong key, 404 for an unknown model or path, 413 for a body over
 `max_body_bytes`, 503 + Retry-After when the queue is full. Generation runs on
-the batcher's worker thread (`batcher.py`); handlers only parse, queue and
+the batching sampler's worker thread (`rollout.inference.sampler`); handlers only parse, queue and
 format. A client that disconnects, streaming or not, cancels its request, which
 leaves the running batch at the next decode step.
 """
@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rollout.errors import ConfigError, RolloutError
+from rollout.inference.sampler import BatchingSampler, QueueFull
 from rollout.inference.types import (
     Completion,
     GenerationRequest,
@@ -37,7 +38,6 @@ from rollout.inference.types import (
     TokenEvent,
 )
 from rollout.serve import protocol as p
-from rollout.serve.batcher import Batcher, QueueFull
 from rollout.serve.http import (
     APIError,
     CountRequests,
@@ -73,7 +73,7 @@ class ClientGone(Exception):
 
 def create_app(engine: InferenceEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
-    batcher = Batcher(
+    batcher = BatchingSampler(
         engine,
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,
@@ -342,7 +342,7 @@ def _check_common(body: Any, settings: ServerSettings) -> None:
 
 async def _respond(
     request: Request,
-    batcher: Batcher,
+    batcher: BatchingSampler,
     metrics: ServerMetrics,
     made: list[_Prepared],
     *,
