@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout.rl.types import RolloutBatch, Sample
+from rollout.rl.types import RolloutBatch, Sample, TokenSegment, Trajectory
 
 
 def make_sample(group_id: int, reward: float | None, **overrides) -> Sample:
@@ -56,3 +56,33 @@ def test_batch_groups_skip_dropped_samples() -> None:
     assert [len(g) for g in batch.groups()] == [1, 1]
     assert [len(g) for g in batch.groups(ok_only=False)] == [2, 1, 1]
     assert [s.reward for s in batch.ok_samples()] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("reward", [1.0, None])
+def test_a_sample_is_a_single_turn_trajectory_exactly(reward: float | None) -> None:
+    sample = make_sample(0, reward)
+    t = sample.trajectory()
+    assert t.single_turn() == (sample.prompt_token_ids, sample.completion_token_ids, sample.rollout_logprobs)
+    assert t.token_ids == (1, 2, 3, 4, 5) and t.loss_mask == (False, False, False, True, True)
+    assert t.num_turns == 1 and t.text == "11" and t.finish_reason == "stop"
+    assert (t.reward, t.turn_rewards) == ((1.0, (1.0,)) if reward is not None else (None, ()))
+
+
+def test_trajectory_segments_carry_their_source() -> None:
+    t = Trajectory(
+        segments=(
+            TokenSegment("prompt", [1, 2]),
+            TokenSegment("sampled", [3], [-0.1]),
+            TokenSegment("tool", [4, 5], turn=0),
+            TokenSegment("sampled", [6, 7], [-0.2, -0.3], turn=1),
+        ),
+        turn_rewards=[0.0, 1.0], reward=1.0, finish_reason="stop", text="a b",
+    )
+    assert t.loss_mask == (False, False, True, False, False, True, True)
+    assert t.num_turns == 2
+    with pytest.raises(ValueError, match="not a single-turn"):
+        t.single_turn()
+    with pytest.raises(ValueError, match="exactly when its tokens were sampled"):
+        TokenSegment("env", [1], [-0.5])
+    with pytest.raises(ValueError, match="2 log-probs for 1 sampled tokens"):
+        TokenSegment("sampled", [1], [-0.5, -0.5])

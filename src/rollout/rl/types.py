@@ -1,4 +1,4 @@
-"""RL data types and interfaces (SPEC section 9): `Sample`, `RolloutBatch`, `Env`, `RewardFn`.
+"""RL data types and interfaces (SPEC section 9): `Trajectory`, `Sample`, `RolloutBatch`, `Env`, `RewardFn`.
 
 Everything the rollout side hands the learner is a frozen dataclass here;
 `Env` and `RewardFn` are the two extension points (built-ins in `envs.py` and
@@ -21,6 +21,84 @@ from rollout.inference.types import Message, Prompt
 
 SampleStatus = Literal["ok", "dropped"]
 RewardValues = list[float | None]
+SegmentSource = Literal["prompt", "sampled", "env", "tool"]
+
+
+# --- one episode, as tokens --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenSegment:
+    """A run of tokens from one source, within one turn of an episode.
+
+    `sampled` tokens came from the policy and are the only ones trained on;
+    they carry the sampler's log-probs (log p under the temperature-1
+    distribution, as `Completion.logprobs`). `prompt`, `env` and `tool` tokens
+    are context: rendered by the chat template or returned by the env / a
+    tool, never re-tokenised from sampled text.
+    """
+
+    source: SegmentSource
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    """One per token for `sampled` segments; None for the others."""
+    turn: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        if self.source not in ("prompt", "sampled", "env", "tool"):
+            raise ValueError(f"segment source must be prompt, sampled, env or tool, got {self.source!r}")
+        if (self.source == "sampled") != (self.logprobs is not None):
+            raise ValueError("a segment has log-probs exactly when its tokens were sampled")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.token_ids)} sampled tokens")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The record of one episode: what was sampled is exactly what is trained and stored.
+
+    `segments` in order make the whole token sequence (prompt, then per turn
+    the sampled reply and any env / tool tokens); `turn_rewards` has one
+    reward per finished turn, `reward` is the episode's return (None when it
+    could not be computed). A single-turn sample is the special case
+    `[prompt, sampled]` with one turn reward (`Sample.trajectory()`).
+    """
+
+    segments: tuple[TokenSegment, ...]
+    turn_rewards: tuple[float, ...]
+    reward: float | None
+    finish_reason: str
+    text: str
+    """The sampled text as rendered (all sampled turns, in order)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        object.__setattr__(self, "turn_rewards", tuple(float(r) for r in self.turn_rewards))
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(t for seg in self.segments for t in seg.token_ids)
+
+    @property
+    def loss_mask(self) -> tuple[bool, ...]:
+        """True at sampled tokens: the only ones a policy loss may count."""
+        return tuple(seg.source == "sampled" for seg in self.segments for _ in seg.token_ids)
+
+    @property
+    def num_turns(self) -> int:
+        return 1 + max((seg.turn for seg in self.segments), default=0)
+
+    def single_turn(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+        """(prompt ids, sampled ids, sampled log-probs) of a `[prompt, sampled]` trajectory."""
+        kinds = [seg.source for seg in self.segments]
+        if kinds != ["prompt", "sampled"]:
+            raise ValueError(f"not a single-turn trajectory: segments {kinds}")
+        prompt, sampled = self.segments
+        assert sampled.logprobs is not None  # checked by TokenSegment
+        return prompt.token_ids, sampled.token_ids, sampled.logprobs
 
 
 @dataclass(frozen=True)
@@ -71,6 +149,20 @@ class Sample:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def trajectory(self) -> Trajectory:
+        """This sample as a single-turn `Trajectory` (exact: `single_turn()` gives back the token ids
+        and log-probs). The snapshot format stays `to_dict`'s, so old snapshots resume unchanged."""
+        return Trajectory(
+            segments=(
+                TokenSegment("prompt", self.prompt_token_ids),
+                TokenSegment("sampled", self.completion_token_ids, self.rollout_logprobs),
+            ),
+            turn_rewards=() if self.reward is None else (self.reward,),
+            reward=self.reward,
+            finish_reason=self.finish_reason,
+            text=self.completion_text,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (tuples become lists); `from_dict` inverts it."""
