@@ -1,0 +1,113 @@
+"""Samplers (submit -> future) and weight syncs, on a fake engine: no model needed.
+
+    HF_HUB_OFFLINE=1 .venv/bin/pytest tests/inference/test_sampler.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from rollout.inference.sampler import BatchingSampler, EngineSampler, QueueFull
+from rollout.inference.types import Completion, GenerationError, GenerationRequest, SamplingParams
+from rollout.inference.weight_sync import DiskReloadWeightSync, InProcessWeightSync
+
+
+class FakeEngine:
+    """Answers each request with its prompt reversed; records every generate call."""
+
+    model_name = "fake"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[list[str]] = []
+        self.threads: list[str] = []
+        self.updates: list[object] = []
+        self.fail = fail
+
+    @property
+    def weights_version(self) -> int:
+        return len(self.updates)
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams | None = None):
+        self.calls.append([str(r.prompt) for r in requests])
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise GenerationError("boom")
+        return [(Completion(0, str(r.prompt)[::-1], (1,), (-0.5,), "stop", 1, 1),) for r in requests]
+
+    def update_weights(self, weights: object) -> int:
+        self.updates.append(weights)
+        return len(self.updates)
+
+    def close(self) -> None:
+        pass
+
+
+def requests(*prompts: str) -> list[GenerationRequest]:
+    return [GenerationRequest(prompt=p) for p in prompts]
+
+
+def test_engine_sampler_runs_requests_that_arrive_together_as_one_call_off_the_loop() -> None:
+    engine = FakeEngine()
+
+    async def main() -> list[str]:
+        sampler = EngineSampler(engine)
+        futures = sampler.submit_all(requests("ab", "cd", "ef"))  # the call starts now, on a worker thread
+        outs = await asyncio.gather(*futures)
+        single = await sampler.submit(requests("xy")[0])
+        return [c[0].text for c in [*outs, single]]
+
+    assert asyncio.run(main()) == ["ba", "dc", "fe", "yx"]
+    assert engine.calls == [["ab", "cd", "ef"], ["xy"]]
+    assert all(name != threading.current_thread().name for name in engine.threads)
+
+
+def test_engine_sampler_failures_reach_every_future() -> None:
+    async def main() -> None:
+        futures = EngineSampler(FakeEngine(fail=True)).submit_all(requests("a", "b"))
+        for future in futures:
+            with pytest.raises(GenerationError, match="boom"):
+                await future
+
+    asyncio.run(main())
+
+
+def test_batching_sampler_batches_and_refuses_what_does_not_fit() -> None:
+    engine = FakeEngine()
+
+    async def main() -> list[str]:
+        sampler = BatchingSampler(engine, max_batch_size=8, max_queue=3, gather_window_s=0.05)
+        with pytest.raises(QueueFull):
+            sampler.submit_all(requests("a", "b", "c", "d"))  # all or nothing
+        assert sampler.queue_depth == 0
+        futures = sampler.submit_all(requests("ab", "cd", "ef"))
+        sampler.start()
+        try:
+            outs = await asyncio.gather(*futures)
+        finally:
+            await asyncio.to_thread(sampler.stop)
+        return [c[0].text for c in outs]
+
+    assert asyncio.run(main()) == ["ba", "dc", "fe"]
+    assert engine.calls == [["ab", "cd", "ef"]]  # queued together: one batch
+
+
+def test_weight_syncs(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    weights = {"w": torch.ones(2), "tied": torch.zeros(3)}
+    engine = FakeEngine()
+    in_process = InProcessWeightSync(engine)
+    in_process.push(weights, version=1)
+    assert engine.updates == [weights] and not in_process.keeps_serving
+
+    remote = FakeEngine()
+    disk = DiskReloadWeightSync(remote, tmp_path / "weights")
+    disk.push(weights, version=1)
+    disk.push(weights, version=2)
+    assert remote.updates == [str(tmp_path / "weights" / "v1"), str(tmp_path / "weights" / "v2")]
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]  # older versions are removed
+    assert (tmp_path / "weights" / "v2" / "model.safetensors").is_file() and disk.keeps_serving
