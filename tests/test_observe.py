@@ -137,6 +137,28 @@ def test_bad_values_fail_at_the_call_site(store, run_id):
     assert [e.name for e in store.read_events(run_id)] == ["fine"]
 
 
+def test_extra_sinks_get_every_batch_after_the_file_and_the_store(store, run_id, tmp_path):
+    class ListSink:
+        def __init__(self) -> None:
+            self.records, self.closed, self.store_had = [], False, []
+
+        def write(self, records):
+            self.store_had.append(len(store.read_events(run_id)))  # the store sink wrote first
+            self.records.extend(records)
+
+        def close(self):
+            self.closed = True
+
+    sink = ListSink()
+    with RunRecorder(store, run_id, tmp_path / "events.jsonl", sinks=[sink]) as recorder:
+        recorder.event("train_start", algorithm="sft")
+        recorder.metrics(1, {"train/loss": 2.5})
+        recorder.flush()
+    assert [type(r).__name__ for r in sink.records] == ["EventRecord", "MetricRecord"]
+    assert sink.store_had[0] == 1 and sink.closed
+    assert len(read_jsonl(tmp_path / "events.jsonl")) == 2
+
+
 # -- Heartbeat -----------------------------------------------------------------
 
 

@@ -1,9 +1,10 @@
-"""`RunRecorder`: a run's events and metrics, written to the store and to a JSONL file;
+"""`RunRecorder`: a run's events and metrics, written to a list of sinks (the JSONL file, the store);
 `Heartbeat`: a running run's sign of life, so readers can tell a dead run from a live one.
 
 The training loop calls `event(...)` / `metrics(...)`, which only enqueue; a
-background thread drains the queue in batches (one store transaction per batch
-and kind) so the loop never waits on disk or network. A writer failure is kept
+background thread drains the queue in batches and hands each batch to every
+`RecordSink` in turn (the store sink writes one transaction per batch and
+kind) so the loop never waits on disk or network. A writer failure is kept
 and re-raised as `StorageError` from the next call, so it is never lost:
 
     with RunRecorder(store, run.id, run_dir / "events.jsonl") as recorder:
@@ -32,10 +33,10 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Protocol
 
 from rollout.errors import ConfigError, StorageError
 from rollout.store.base import EventRecord, MetricRecord, Store
@@ -57,10 +58,57 @@ class _Flush:
 _STOP = object()
 
 
-class RunRecorder:
-    """Queues a run's events and metrics and writes them from a background thread."""
+class RecordSink(Protocol):
+    """Where the recorder's writer thread puts each batch of records (in queue order)."""
 
-    def __init__(self, store: Store, run_id: str, jsonl_path: Path | None) -> None:
+    def write(self, records: Sequence[EventRecord | MetricRecord]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """The run's local log (`events.jsonl`), flushed and fsynced per batch."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        except OSError as err:
+            raise StorageError(f"cannot open the event log {path}: {err}") from err
+
+    def write(self, records: Sequence[EventRecord | MetricRecord]) -> None:
+        self._file.writelines(_jsonl_line(record) for record in records)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class StoreSink:
+    """The metadata store: one transaction per batch and kind. The store itself belongs to the run."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def write(self, records: Sequence[EventRecord | MetricRecord]) -> None:
+        self._store.append_events([r for r in records if isinstance(r, EventRecord)])
+        self._store.append_metrics([r for r in records if isinstance(r, MetricRecord)])
+
+    def close(self) -> None:
+        pass
+
+
+class RunRecorder:
+    """Queues a run's events and metrics and writes them from a background thread.
+
+    Sinks, in order: the JSONL file at `jsonl_path` (if given), the store, then
+    any `sinks` passed in (a dashboard feed, a remote tracker, ...).
+    """
+
+    def __init__(
+        self, store: Store, run_id: str, jsonl_path: Path | None, *, sinks: Sequence[RecordSink] = ()
+    ) -> None:
         self._store = store
         self._run_id = run_id
         self._next_seq = _next_event_seq(store, run_id)
@@ -68,13 +116,9 @@ class RunRecorder:
         self._queue: queue.Queue[object] = queue.Queue()
         self._error: StorageError | None = None
         self._closed = False
-        self._jsonl: IO[str] | None = None
-        if jsonl_path is not None:
-            try:
-                Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
-                self._jsonl = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            except OSError as err:
-                raise StorageError(f"cannot open the event log {jsonl_path}: {err}") from err
+        # The local file first: if the store is down, the run's log still has everything.
+        self._sinks: list[RecordSink] = [*([JsonlSink(jsonl_path)] if jsonl_path is not None else []),
+                                         StoreSink(store), *sinks]
         self._writer = threading.Thread(target=self._drain, name=f"run-recorder-{run_id}", daemon=True)
         self._writer.start()
 
@@ -121,8 +165,8 @@ class RunRecorder:
             self._closed = True
             self._queue.put(_STOP)
         self._writer.join()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        for sink in self._sinks:
+            sink.close()
         self._raise_error()
 
     def __enter__(self) -> RunRecorder:
@@ -168,13 +212,8 @@ class RunRecorder:
                 stop = stop or item is _STOP
 
     def _write(self, records: list[EventRecord | MetricRecord]) -> None:
-        # The local file first: if the store is down, the run's log still has everything.
-        if self._jsonl is not None:
-            self._jsonl.writelines(_jsonl_line(record) for record in records)
-            self._jsonl.flush()
-            os.fsync(self._jsonl.fileno())
-        self._store.append_events([r for r in records if isinstance(r, EventRecord)])
-        self._store.append_metrics([r for r in records if isinstance(r, MetricRecord)])
+        for sink in self._sinks:
+            sink.write(records)
 
 
 def _next_event_seq(store: Store, run_id: str) -> int:
