@@ -18,14 +18,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rollout.algorithms.config import DPOConfig
-from rollout.algorithms.reference import Reference, build_reference
+from rollout.algorithms.reference import Reference, build_reference, digest_records
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend
+from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
+from rollout.data.collate import collate_pairs
+from rollout.data.jsonl import Row, read_rows
+from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.tokenize import tokenize_pairs
 from rollout.errors import AlgorithmError
+from rollout.losses.logps import sequence_logps
+from rollout.losses.preference import dpo_loss
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
+from rollout.models.prefix import collate_shared_pairs, rows_logps
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
@@ -55,9 +64,6 @@ def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 
 def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
-    from rollout.losses.preference import dpo_loss
-    from rollout.models.prefix import rows_logps
-
     def loss_fn(model: Any, batch: DPOBatch) -> tuple[Any, dict[str, float]]:
         logps, counts = rows_logps(model, batch.tokens, batch.shared)
         if s.loss_type == "ipo":
@@ -86,10 +92,6 @@ def reference_logps(
 def collate_pair_batch(pairs: Sequence[Any], pad_id: int, device: Any) -> tuple[Any, int, Any]:
     """(full rows as collate_pairs makes them, number of pairs, the same rows sharing each prompt
     or None when a pair's sides disagree on the prompt tokens), on `device`."""
-    from rollout.backends.torch_backend import move_to
-    from rollout.data.collate import collate_pairs
-    from rollout.models.prefix import collate_shared_pairs
-
     tokens, n = collate_pairs(pairs, pad_id)
     shared = collate_shared_pairs(pairs, pad_id)
     return move_to(tokens, device), n, shared.to(device) if shared is not None else None
@@ -97,8 +99,6 @@ def collate_pair_batch(pairs: Sequence[Any], pad_id: int, device: Any) -> tuple[
 
 def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, device: Any, *, average: bool) -> Any:
     """All pairs' reference log-probs in one batched pass: [2N] (chosen then rejected)."""
-    import torch
-
     n = len(pairs)
     table = torch.empty(2 * n, dtype=torch.float64)
     for start in range(0, n, 64):
@@ -111,13 +111,6 @@ def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, dev
 
 
 async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
-
-    from rollout.algorithms.reference import digest_records
-    from rollout.backends.torch_backend import pick_device
-    from rollout.data.jsonl import read_rows
-    from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-    from rollout.data.tokenize import tokenize_pairs
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
     average = s.loss_type == "ipo"
@@ -218,13 +211,6 @@ def implicit_reward_accuracy(
     batch_size: int = 64,
 ) -> tuple[float, float]:
     """(accuracy, mean margin) of DPO's implicit reward β·(log π − log π_ref) on preference rows."""
-    import torch
-
-    from rollout.data.collate import collate_pairs
-    from rollout.data.jsonl import Row
-    from rollout.data.tokenize import tokenize_pairs
-    from rollout.losses.logps import sequence_logps
-
     rows = [r if isinstance(r, Row) else Row(line=i + 1, data=r) for i, r in enumerate(rows)]
     pairs, _ = tokenize_pairs(rows, tokenizer, max_seq_len=max_seq_len)
     correct, margin_sum = 0, 0.0

@@ -18,14 +18,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rollout.algorithms.config import KTOConfig
-from rollout.algorithms.reference import Reference, build_reference
+from rollout.algorithms.reference import Reference, build_reference, digest_records
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend
+from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
-from rollout.data.tokenize import tokenize_aligned
+from rollout.data.collate import collate_padded
+from rollout.data.jsonl import Row, read_rows
+from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.tokenize import TokenizedSample, tokenize_aligned, tokenize_sft
 from rollout.errors import AlgorithmError, DataError
+from rollout.losses.logps import sequence_logps
+from rollout.losses.preference import kto_kl_estimate, kto_loss
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
@@ -63,8 +70,6 @@ def split_prompt(sample: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def mismatched_samples(samples: Sequence[Any], max_seq_len: int) -> list[Any]:
     """Line i's prompt + line (i+1 mod N)'s completion, truncated to max_seq_len."""
-    from rollout.data.tokenize import TokenizedSample
-
     out = []
     n = len(samples)
     for i in range(n):
@@ -79,9 +84,6 @@ def mismatched_samples(samples: Sequence[Any], max_seq_len: int) -> list[Any]:
 
 
 def make_kto_loss_fn(s: KTOConfig, normalizer: float) -> Any:
-    from rollout.losses.logps import sequence_logps
-    from rollout.losses.preference import kto_loss
-
     def loss_fn(model: Any, batch: KTOBatch) -> tuple[Any, dict[str, float]]:
         logps, _ = sequence_logps(model, batch.tokens)
         return kto_loss(
@@ -94,11 +96,6 @@ def make_kto_loss_fn(s: KTOConfig, normalizer: float) -> Any:
 
 def precompute_kto_table(ref: Reference, matched: Sequence[Any], mismatched: Sequence[Any], pad_id: int, device: Any) -> Any:
     """[2N] reference log-probs: matched lines then their mismatched partners."""
-    import torch
-
-    from rollout.backends.torch_backend import move_to
-    from rollout.data.collate import collate_padded
-
     seqs = [*matched, *mismatched]
     table = torch.empty(len(seqs), dtype=torch.float64)
     for start in range(0, len(seqs), 64):
@@ -109,17 +106,6 @@ def precompute_kto_table(ref: Reference, matched: Sequence[Any], mismatched: Seq
 
 
 async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
-    import torch
-
-    from rollout.algorithms.reference import digest_records
-    from rollout.backends.torch_backend import move_to, pick_device
-    from rollout.data.collate import collate_padded
-    from rollout.data.jsonl import read_rows
-    from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-    from rollout.data.tokenize import tokenize_sft
-    from rollout.losses.logps import sequence_logps
-    from rollout.losses.preference import kto_kl_estimate
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
@@ -232,13 +218,6 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
 
 def desirable_gap(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_len: int, batch_size: int = 64) -> float:
     """Mean completion log-prob of desirable lines minus that of undesirable lines."""
-    import torch
-
-    from rollout.data.collate import collate_padded
-    from rollout.data.jsonl import Row
-    from rollout.data.tokenize import tokenize_sft
-    from rollout.losses.logps import sequence_logps
-
     rows = [r if isinstance(r, Row) else Row(line=i + 1, data=r) for i, r in enumerate(rows)]
     samples, _, rows = tokenize_aligned(
         lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=max_seq_len), rows

@@ -16,6 +16,7 @@ completion token (`Reference.token_logps`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -24,11 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, load_model
 from rollout.models.prefix import PrefixBatch, frozen_prefix_logps, rows_logps
 from rollout.run import RunContext
+from rollout.snapshots import Blob, commit_snapshot, read_snapshot_blob
 
 TABLE_LABEL = "reference_logps:"
 
@@ -45,8 +50,6 @@ class Reference:
     def logps(self, tokens: Any, seq_ids: Sequence[int], *, shared: Any = None) -> Any:
         """[rows] reference log-prob sums for `tokens`, whose rows are sequences `seq_ids` (table).
         `shared`: the same rows as a PrefixBatch, which runs each prompt once."""
-        import torch
-
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
         guard = self.model.disable_adapter() if self.kind == "adapter" else nullcontext()
@@ -112,12 +115,6 @@ def _table(
     ctx: RunContext, policy: Any, *, base: ModelSource, uri: str, lora: bool, pad_token_id: int,
     device: Any, seed: int, precompute_fn: Callable[[Reference], Any], data_digest: str,
 ) -> Reference:
-    import torch
-    from safetensors.torch import load as load_safetensors
-    from safetensors.torch import save as save_safetensors
-
-    from rollout.snapshots import Blob, commit_snapshot, read_snapshot_blob
-
     # A resumed run uses exactly the table its snapshot was trained against.
     if ctx.resume_from is not None:
         table_id = ctx.resume_from.manifest.get("extra", {}).get("reference_table")
@@ -171,8 +168,6 @@ def model_digest(uri: str) -> str:
 
 def digest_records(records: Sequence[Any], *, extra: dict[str, Any] | None = None) -> str:
     """Digest of tokenized records (frozen dataclasses of ids/masks), for the table key."""
-    import dataclasses
-
     h = blake3.blake3(json.dumps(extra or {}, sort_keys=True).encode())
     for r in records:
         h.update(json.dumps(dataclasses.asdict(r), sort_keys=True, default=int).encode() + b"\n")

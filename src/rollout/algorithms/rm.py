@@ -16,13 +16,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rollout.algorithms.config import RMConfig
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend
+from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
-from rollout.data.tokenize import tokenize_aligned
-from rollout.errors import AlgorithmError
+from rollout.data.collate import collate_pairs
+from rollout.data.jsonl import Row, read_rows
+from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.tokenize import tokenize_aligned, tokenize_pairs
+from rollout.errors import AlgorithmError, DataError
+from rollout.losses.rm import bradley_terry_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
@@ -53,8 +59,6 @@ def train_rm(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def score_sequences(model: Any, tokens: Any) -> Any:
     """Scalar reward per row from the hidden state of its last non-pad token. [B]"""
-    import torch
-
     base = hf_model(model)
     hidden = base.base_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
     last = tokens.attention_mask.sum(dim=1) - 1
@@ -63,8 +67,6 @@ def score_sequences(model: Any, tokens: Any) -> Any:
 
 
 def make_rm_loss_fn(normalizer: float, *, margin: float, center_coefficient: float | None) -> Any:
-    from rollout.losses.rm import bradley_terry_loss
-
     def loss_fn(model: Any, batch: PairBatch) -> tuple[Any, dict[str, float]]:
         rewards = score_sequences(model, batch.tokens)
         n = batch.num_pairs
@@ -77,21 +79,12 @@ def make_rm_loss_fn(normalizer: float, *, margin: float, center_coefficient: flo
 
 
 def collate_pair_batch(pairs: Sequence[Any], margins: Sequence[float], pad_id: int) -> PairBatch:
-    import torch
-
-    from rollout.data.collate import collate_pairs
-
     tokens, n = collate_pairs(pairs, pad_id)
     return PairBatch(tokens=tokens, num_pairs=n, margins=torch.tensor(list(margins), dtype=torch.float32))
 
 
 def pair_accuracy(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_len: int, batch_size: int = 64) -> float:
     """Fraction of preference rows (`Row`s or dicts) whose chosen side scores higher."""
-    import torch
-
-    from rollout.data.jsonl import Row
-    from rollout.data.tokenize import tokenize_pairs
-
     rows = [r if isinstance(r, Row) else Row(line=i + 1, data=r) for i, r in enumerate(rows)]
     pairs, _ = tokenize_pairs(rows, tokenizer, max_seq_len=max_seq_len)
     correct = 0
@@ -101,21 +94,12 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_le
             chunk = pairs[i : i + batch_size]
             batch = collate_pair_batch(chunk, [0.0] * len(chunk), tokenizer.pad_token_id)
             device = next(model.parameters()).device
-            tokens = batch.tokens
-            from rollout.backends.torch_backend import move_to
-
-            rewards = score_sequences(model, move_to(tokens, device))
+            rewards = score_sequences(model, move_to(batch.tokens, device))
             correct += int((rewards[: len(chunk)] > rewards[len(chunk) :]).sum())
     return correct / max(1, len(pairs))
 
 
 async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
-
-    from rollout.backends.torch_backend import pick_device
-    from rollout.data.jsonl import read_rows
-    from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-    from rollout.data.tokenize import tokenize_pairs
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 
@@ -211,7 +195,5 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
 def _line_margin(row: Any, path: Any) -> float:
     value = row.data.get("margin", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        from rollout.errors import DataError
-
         raise DataError(f"{path}:{row.line}: field \"margin\" must be a number, got {type(value).__name__}")
     return float(value)

@@ -19,10 +19,15 @@ from typing import Any
 
 from rollout.algorithms.config import SFTConfig
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend
+from rollout.backends.torch_backend import build_torch_backend, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
+from rollout.data.collate import attention_mask_for, collate_packed, collate_padded
+from rollout.data.jsonl import read_rows
+from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.tokenize import tokenize_sft
 from rollout.errors import AlgorithmError
+from rollout.losses.sft import next_token_targets, sft_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
@@ -46,9 +51,6 @@ def train_sft(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def make_sft_loss_fn(normalizer: float) -> Any:
     """loss_fn(model, batch) for the backend: CE at target positions / normalizer."""
-    from rollout.data.collate import attention_mask_for
-    from rollout.losses.sft import next_token_targets, sft_loss
-
     def loss_fn(model: Any, batch: Any) -> tuple[Any, dict[str, float]]:
         base = hf_model(model)
         valid, targets = next_token_targets(batch.input_ids, batch.loss_mask, batch.position_ids)
@@ -63,20 +65,11 @@ def make_sft_loss_fn(normalizer: float) -> Any:
 
 
 def count_targets(batch: Any) -> int:
-    from rollout.losses.sft import next_token_targets
-
     valid, _ = next_token_targets(batch.input_ids, batch.loss_mask, batch.position_ids)
     return int(valid.sum())
 
 
 async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
-
-    from rollout.backends.torch_backend import pick_device
-    from rollout.data.collate import collate_packed, collate_padded
-    from rollout.data.jsonl import read_rows
-    from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-    from rollout.data.tokenize import tokenize_sft
-
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
 

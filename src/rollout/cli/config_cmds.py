@@ -10,7 +10,8 @@ import typer
 from rollout.algorithms.registry import ALGORITHMS
 from rollout.config import RunConfig, load_config
 from rollout.config_base import located_error
-from rollout.errors import DataError
+from rollout.data.jsonl import scan_dataset
+from rollout.errors import DataError, ModelError
 
 
 def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
@@ -20,8 +21,6 @@ def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
         raise DataError(f"dataset not found: {ds.path}")
     if not scan_lines:
         return f"dataset={ds.path}"
-    from rollout.data.jsonl import scan_dataset
-
     report = scan_dataset(ds.path, ALGORITHMS[cfg.algorithm.kind].data_kind, on_bad_line=ds.on_bad_line)
     skipped = f" skipped={report.num_skipped}" if report.num_skipped else ""
     return f"dataset={ds.path} lines={report.num_valid}{skipped}"
@@ -40,8 +39,6 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
 
 def check_model_path(cfg: RunConfig) -> None:
     """A local model folder (anything that resolved to a path) must exist."""
-    from rollout.errors import ModelError
-
     s = cfg.algorithm.settings
     reference = getattr(s, "reference", None)
     for uri in (s.base_model.uri, reference.uri if reference is not None else None):
@@ -56,6 +53,7 @@ def check_plugins(cfg: RunConfig) -> None:
     env = getattr(s, "env", None)
     if not rewards and env is None:
         return
+    # Imported here: the RL harness pulls in asyncio (~30 ms), which SFT/DPO configs never need.
     from rollout.rl.envs import resolve_env
     from rollout.rl.rewards import resolve_reward
 

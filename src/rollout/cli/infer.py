@@ -25,6 +25,10 @@ from rollout.cli.snapshot import (
     ObjectPathOption,
     StoragePathOption,
 )
+from rollout.inference.batch import check_output, read_batch_input, run_batch
+from rollout.inference.build import build_engine, resolve_engine_model
+from rollout.inference.config import load_inference_config, with_overrides
+from rollout.inference.types import SamplingParams
 
 app = typer.Typer(help="Offline inference.", no_args_is_help=True)
 
@@ -96,11 +100,6 @@ def batch(
     object_path: ObjectPathOption = None,
 ) -> None:
     """Generate completions for every line of --input into --output (resumable)."""
-    from rollout.inference.batch import check_output, read_batch_input, run_batch
-    from rollout.inference.build import build_engine, resolve_engine_model
-    from rollout.inference.config import load_inference_config, with_overrides
-    from rollout.inference.types import SamplingParams
-
     cfg = with_overrides(
         load_inference_config(config),
         engine=engine,

@@ -15,6 +15,9 @@ import traceback
 import click
 import typer
 
+from rollout import __version__
+from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
+from rollout.cli import eval as eval_cli
 from rollout.errors import RolloutError
 
 # Recent typer vendors its own copy of click; catch both so usage errors exit 2, not 1.
@@ -36,9 +39,6 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
-    from rollout.cli import eval as eval_cli
-
     config_cmds.register(app)
     app.add_typer(train.app, name="train")
     app.add_typer(model.app, name="model")
@@ -93,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from rollout import __version__
-
     return __version__
 
 

@@ -21,6 +21,8 @@ import typer
 from rollout.cli.infer import ConfigOption, DtypeOption, ModelOption, ThreadsOption, storage_locations
 from rollout.cli.snapshot import ObjectPathOption, StoragePathOption
 from rollout.errors import ConfigError, RolloutError
+from rollout.inference.build import build_engine, resolve_engine_model
+from rollout.inference.config import load_inference_config, with_overrides
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -60,8 +62,6 @@ def serve(
     object_path: ObjectPathOption = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
-    from rollout.inference.config import load_inference_config, with_overrides
-
     cfg = with_overrides(
         load_inference_config(config),
         dtype=dtype,
@@ -73,9 +73,8 @@ def serve(
         raise ConfigError('rollout serve runs the model itself: set inference.engine to "hf" or "vllm"')
     listener = _bind(host, port)  # fail on a taken port before loading the model
 
-    import uvicorn
+    import uvicorn  # fastapi and uvicorn load only now: `rollout --help` stays fast
 
-    from rollout.inference.build import build_engine, resolve_engine_model
     from rollout.serve.app import ServerSettings, create_app
 
     storage, objects = storage_locations(storage_path, object_path)

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 
 import blake3
 
+from rollout.data.jsonl import read_rows
 from rollout.errors import DataError
 from rollout.inference.types import (
     Completion,
@@ -84,8 +85,6 @@ class BatchSummary:
 
 def read_batch_input(path: Path) -> list[BatchItem]:
     """Every line of `path`, checked (`DataError` naming the first bad lines)."""
-    from rollout.data.jsonl import read_rows
-
     rows, _ = read_rows(Path(path), "prompt")
     return [
         BatchItem(i, row.data["prompt"], {k: v for k, v in row.data.items() if k != "prompt"})

@@ -4,7 +4,9 @@
     engine = build_engine(cfg, resolved)
 
 Resolving comes first and loads nothing, so callers can check their inputs
-against the model's identity before paying for a model load.
+against the model's identity before paying for a model load. Each engine
+module is imported only once chosen: they bring torch, the openai client or
+vLLM, and the CLI imports this module at start-up.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from pathlib import Path
 import blake3
 
 from rollout.errors import ModelError, StorageError
+from rollout.export import export_snapshot
+from rollout.store import open_object_store, open_store
 
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{8,64}")
 _MODEL_FILES = (
@@ -77,9 +79,6 @@ def digest_model_dir(path: Path) -> str:
 
 
 def _export_snapshot_model(snapshot_id: str, *, storage_path: Path, object_path: Path) -> ResolvedModel:
-    from rollout.export import export_snapshot
-    from rollout.store import open_object_store, open_store
-
     if not storage_path.is_file():
         raise StorageError(
             f"no store at {storage_path}", details=["pass --storage-path (or set ROLLOUT_STORAGE_PATH)"]

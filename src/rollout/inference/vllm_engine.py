@@ -21,6 +21,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+from rollout.inference.hf_engine import _read_safetensors
 from rollout.inference.types import (
     Completion,
     EngineUnavailable,
@@ -153,8 +154,6 @@ class VLLMEngine:
     def update_weights(self, weights: StateDict | str | PathLike[str]) -> int:
         """Load tensors into every worker's model in place (vLLM's `load_weights`)."""
         if isinstance(weights, str | PathLike):
-            from rollout.inference.hf_engine import _read_safetensors
-
             weights = _read_safetensors(Path(weights))
         items = [(name, tensor) for name, tensor in weights.items()]
 
