@@ -37,7 +37,6 @@ from rollout.errors import ConfigError
 from rollout.inference.config import InferenceConfig
 
 SCHEMA_VERSION = 1
-ALGORITHM_KINDS: tuple[str, ...] = tuple(ALGORITHMS)
 
 
 # --------------------------------------------------------------------------- storage

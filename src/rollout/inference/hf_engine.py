@@ -19,6 +19,10 @@ Rows are left-padded; position ids count each row's real tokens, so padding
 never shifts a row's positions and the cache of two batches can be merged by
 left-padding the shorter one. The log-prob of each sampled token is the
 log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32.
+
+One module of ~600 lines on purpose: the engine, its decode session and the
+row / cache bookkeeping share private state (per-row generators, the merged
+KV cache, left padding), and read as one algorithm.
 """
 
 from __future__ import annotations

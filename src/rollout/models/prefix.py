@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def pad_rows(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return out
 
 
-def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Any) -> torch.Tensor:
+def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: PretrainedConfig) -> torch.Tensor:
     """[B, Lc, ·]: `field` of `module`'s output at the position that predicts each completion token.
 
     `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits") that takes

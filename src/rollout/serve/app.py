@@ -7,9 +7,12 @@ Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
 400 for a malformed or unsupported body (FastAPI's 422 included), 401 for a
 missing or wrong key, 404 for an unknown model or path, 413 for a body over
 `max_body_bytes`, 503 + Retry-After when the queue is full. Generation runs on
-the batching sampler's worker thread (`rollout.inference.sampler`); handlers only parse, queue and
-format. A client that disconnects, streaming or not, cancels its request, which
-leaves the running batch at the next decode step.
+the batching sampler's worker thread (`rollout.inference.sampler`); handlers
+only parse, queue and format. A client that disconnects, streaming or not,
+cancels its request, which leaves the running batch at the next decode step.
+
+About 500 lines: the routes share one request path (prepare, queue, stream or
+wait, format) whose helpers read best next to the routes that use them.
 """
 
 from __future__ import annotations
@@ -318,7 +321,7 @@ async def _prepare(
     return _Prepared(text, ids, params)
 
 
-def _check_common(body: Any, settings: ServerSettings) -> None:
+def _check_common(body: p.CompletionBody | p.ChatBody, settings: ServerSettings) -> None:
     if body.model != settings.model_name:
         raise APIError(
             404,
