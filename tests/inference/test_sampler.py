@@ -55,7 +55,7 @@ def test_engine_sampler_runs_requests_that_arrive_together_as_one_call_off_the_l
     engine = FakeEngine()
 
     async def main() -> list[str]:
-        sampler = EngineSampler(engine)
+        sampler = EngineSampler(engine, max_batch=8)
         futures = sampler.submit_all(requests("ab", "cd", "ef"))  # the call starts now, on a worker thread
         outs = await asyncio.gather(*futures)
         single = await sampler.submit(requests("xy")[0])
@@ -68,7 +68,7 @@ def test_engine_sampler_runs_requests_that_arrive_together_as_one_call_off_the_l
 
 def test_engine_sampler_failures_reach_every_future() -> None:
     async def main() -> None:
-        futures = EngineSampler(FakeEngine(fail=True)).submit_all(requests("a", "b"))
+        futures = EngineSampler(FakeEngine(fail=True), max_batch=8).submit_all(requests("a", "b"))
         for future in futures:
             with pytest.raises(GenerationError, match="boom"):
                 await future
@@ -96,6 +96,22 @@ def test_batching_sampler_batches_and_refuses_what_does_not_fit() -> None:
     assert engine.calls == [["ab", "cd", "ef"]]  # queued together: one batch
 
 
+def test_batching_sampler_is_a_sampler_too() -> None:
+    """`sample` (one completion, the eval / episode seam) through the server's batcher."""
+    engine = FakeEngine()
+
+    async def main() -> str:
+        sampler = BatchingSampler(engine, max_batch_size=8, max_queue=8, gather_window_s=0.0)
+        sampler.start()
+        try:
+            completion = await sampler.sample("hello", SamplingParams(n=3, seed=1))
+        finally:
+            await asyncio.to_thread(sampler.stop)
+        return completion.text
+
+    assert asyncio.run(main()) == "olleh"
+
+
 def test_weight_syncs(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     weights = {"w": torch.ones(2), "tied": torch.zeros(3)}
@@ -111,3 +127,18 @@ def test_weight_syncs(tmp_path: Path) -> None:
     assert remote.updates == [str(tmp_path / "weights" / "v1"), str(tmp_path / "weights" / "v2")]
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]  # older versions are removed
     assert (tmp_path / "weights" / "v2" / "model.safetensors").is_file() and disk.keeps_serving
+
+
+def test_engine_sampler_sample_batches_concurrent_calls() -> None:
+    engine = FakeEngine()
+
+    async def main() -> list[str]:
+        sampler = EngineSampler(engine, max_batch=8)
+        try:
+            done = await asyncio.gather(*(sampler.sample(p, SamplingParams(n=2)) for p in ("ab", "cd")))
+        finally:
+            sampler.close()
+        return [c.text for c in done]
+
+    assert asyncio.run(main()) == ["ba", "dc"]
+    assert engine.calls == [["ab", "cd"]]  # one call for the coroutines that asked in the same turn

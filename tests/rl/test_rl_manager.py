@@ -37,7 +37,7 @@ def make_manager(engine, rows, **overrides) -> RolloutManager:
         seed=0,
     )
     settings.update(overrides)
-    return RolloutManager(EngineSampler(engine), rows, DataBuffer(len(rows), seed=settings["seed"]), **settings)
+    return RolloutManager(EngineSampler(engine, max_batch=32), rows, DataBuffer(len(rows), seed=settings["seed"]), **settings)
 
 
 def next_batch(manager: RolloutManager, policy_version: int = 0):
@@ -258,7 +258,7 @@ def test_invalid_settings_are_config_errors(rl_engine) -> None:
         )
     with pytest.raises(ConfigError, match="the data buffer has 4 rows but the dataset has 3"):
         RolloutManager(
-            EngineSampler(rl_engine),
+            EngineSampler(rl_engine, max_batch=32),
             rows,
             DataBuffer(4, seed=0),
             reward_fns=[("a", arithmetic_correct, 1.0)],

@@ -36,7 +36,6 @@ from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.jsonl import read_rows
 from rollout.errors import AlgorithmError
-from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import SamplingParams
 from rollout.losses.grpo import compute_group_advantages, grpo_loss, grpo_normalizer
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
@@ -98,10 +97,11 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     data = [r.data for r in rows]
     reward_fns = resolve_reward_specs([(r.name, r.weight) for r in s.rewards], s.env)
     device = pick_device(cfg.backend.device)
-    engine, weight_sync = build_engine(base_model, inference=cfg.inference, device=device,
-                                       weights_dir=ctx.run_dir / "weights")
+    rollout_engine = build_engine(
+        base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights"
+    )
     manager = RolloutManager(
-        EngineSampler(engine), data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
+        rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
         num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
         seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
@@ -127,7 +127,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
-    source = BatchSource(manager, weight_sync, pipelined=s.off_policy_steps == 1)
+    source = BatchSource(manager, rollout_engine.weight_sync, pipelined=s.off_policy_steps == 1)
     version = source.restore(loop) if ctx.resume_from is not None else 0
 
     extra = snapshot_extra(cfg, model_class="causal_lm")
@@ -211,7 +211,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         await source.finish(backend.export_weights, version)
     finally:
         await source.close()
-        engine.close()
+        rollout_engine.close()
     return await finish_training(ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
                                  static_blobs=static_blobs, extra=extra, metrics=last)
 

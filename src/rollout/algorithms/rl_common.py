@@ -1,4 +1,4 @@
-"""Pieces GRPO and PPO share: the sampling engine and its weight sync, rewards,
+"""Pieces GRPO and PPO share: the sampling engine with its sampler and weight sync, rewards,
 the (optionally pipelined) batch source, and the RL snapshot. Each recipe still
 builds its own manager, model and loop.
 
@@ -30,6 +30,7 @@ from rollout.inference.build import build_engine as build_configured_engine
 from rollout.inference.config import InferenceConfig
 from rollout.inference.hf_engine import load_hf_engine
 from rollout.inference.models import ResolvedModel
+from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import InferenceEngine
 from rollout.inference.weight_sync import DiskReloadWeightSync, InProcessWeightSync, WeightSync
 from rollout.models.load import ModelSource
@@ -50,21 +51,35 @@ def resolve_reward_specs(rewards: Sequence[tuple[str, float]], env: str | None) 
     return specs
 
 
+@dataclass(frozen=True)
+class SamplingEngine:
+    """The rollout side's engine, the sampler in front of it and how new weights reach it."""
+
+    engine: InferenceEngine
+    sampler: EngineSampler
+    weight_sync: WeightSync
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.engine.close()
+
+
 def build_engine(
     base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path
-) -> tuple[InferenceEngine, WeightSync]:
-    """The sampling engine and how new weights reach it: the in-process hf engine by default
-    (tensors handed over), or the configured [inference] engine (reloads `weights_dir/v<version>`)."""
+) -> SamplingEngine:
+    """The in-process hf engine by default (tensors handed over), or the configured [inference]
+    engine (reloads `weights_dir/v<version>`)."""
+    max_batch = inference.max_batch_size if inference is not None else 256
     if inference is not None and inference.engine != "hf":
         uri = base_model.uri
         engine = build_configured_engine(inference, ResolvedModel(uri, inference.model or uri, fixed_identity=None))
-        return engine, DiskReloadWeightSync(engine, weights_dir)
+        return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch),
+                              DiskReloadWeightSync(engine, weights_dir))
     engine = load_hf_engine(
-        base_model.uri, dtype=base_model.dtype, device=str(device),
-        max_batch_size=inference.max_batch_size if inference is not None else 256,
+        base_model.uri, dtype=base_model.dtype, device=str(device), max_batch_size=max_batch,
         trust_remote_code=base_model.trust_remote_code,
     )
-    return engine, InProcessWeightSync(engine)
+    return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
 
 
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:

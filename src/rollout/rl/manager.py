@@ -1,6 +1,6 @@
 """`RolloutManager`: draw prompts, generate groups, score them, filter, and hand the learner a batch.
 
-    manager = RolloutManager(EngineSampler(engine), rows, DataBuffer(len(rows), seed=0),
+    manager = RolloutManager(EngineSampler(engine, max_batch=32), rows, DataBuffer(len(rows), seed=0),
                              reward_fns=[("correct", arithmetic_correct, 1.0)],
                              num_generations=8, prompts_per_batch=16,
                              sampling=SamplingParams(temperature=1.0, max_tokens=32), seed=0,
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout.errors import ConfigError
-from rollout.inference.sampler import Sampler
+from rollout.inference.sampler import RequestSampler
 from rollout.inference.types import (
     Completion,
     GenerationRequest,
@@ -80,7 +80,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: RequestSampler,
         rows: Sequence[Mapping[str, Any]],
         buffer: DataBuffer,
         *,
