@@ -46,16 +46,22 @@ from rollout.cli.snapshot import (
     print_tables,
     wants_json,
 )
+from rollout.config import StorageConfig
 from rollout.errors import ConfigError, StorageError
+from rollout.eval.config import (
+    TARGET_FIELDS,
+    EvalConfig,
+    build_eval_config,
+    read_eval_table,
+    read_storage_config,
+)
+from rollout.eval.metrics import EvalSummary
+from rollout.inference.types import InferenceEngine
+from rollout.store import Store, open_store
+from rollout.store.base import EvalRecord, EvalSampleRecord
 
-if TYPE_CHECKING:
-    from rollout.config import StorageConfig
-    from rollout.eval.config import EvalConfig
+if TYPE_CHECKING:  # eval.harness, eval.compare and rl.envs load asyncio: imported by the commands that use them
     from rollout.eval.harness import EvalData
-    from rollout.eval.metrics import EvalSummary
-    from rollout.inference.types import InferenceEngine
-    from rollout.store import Store
-    from rollout.store.base import EvalRecord, EvalSampleRecord
 
 app = typer.Typer(
     help="Evaluate a model, snapshot or endpoint on an env: N samples per prompt, pass@k, pass^k, maj@k,"
@@ -269,7 +275,6 @@ def compare_command(
 
 
 def _start(given: dict[str, Any], *, api_key: str | None, flags: StorageFlags, as_json: bool) -> None:
-    from rollout.eval.config import TARGET_FIELDS, build_eval_config, read_eval_table
     from rollout.eval.harness import (
         check_rows_with_env,
         create_eval_record,
@@ -316,7 +321,6 @@ def _resume(
     as_json: bool,
     heartbeat_timeout: float,
 ) -> None:
-    from rollout.eval.config import EvalConfig, build_eval_config
     from rollout.eval.harness import check_resume, load_engine, load_eval_data, resolve_target
     from rollout.rl.envs import resolve_env
 
@@ -431,16 +435,12 @@ def _parse_ks(text: str | None) -> list[int] | None:
 
 def _storage_config(flags: StorageFlags) -> StorageConfig | None:
     """The `[storage]` table of the `--config` file, or None (an eval file needs no other table)."""
-    from rollout.eval.config import read_storage_config
-
     return None if flags.config is None else read_storage_config(flags.config)
 
 
 @contextmanager
 def _open_store(flags: StorageFlags, *, create: bool) -> Iterator[Store]:
     """The store the flags name; an eval creates a missing SQLite file, list/show/compare don't."""
-    from rollout.store import open_store
-
     dsn, path = flags.dsn, flags.storage_path
     if dsn is None and path is None:
         storage = _storage_config(flags)

@@ -31,14 +31,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from rollout.config import StorageConfig, load_config
 from rollout.errors import StorageError
+from rollout.export import export_snapshot
+from rollout.snapshots import collect_garbage, prune_snapshots
+from rollout.store import ObjectStore, SnapshotRecord, Store, open_object_store, open_store
 
 if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
-
-    from rollout.config import StorageConfig
-    from rollout.store import ObjectStore, SnapshotRecord, Store
 
 app = typer.Typer(help="Manage snapshots (list, show, prune, gc, export).", no_args_is_help=True)
 
@@ -83,8 +84,6 @@ class StorageFlags:
 @contextmanager
 def open_metadata_store(flags: StorageFlags) -> Iterator[Store]:
     """The existing metadata store the flags point at (never creates one); closed on exit."""
-    from rollout.store import open_store
-
     dsn, path = _resolve_metadata_location(flags)
     if dsn is not None:
         store = open_store("postgres", dsn=dsn)
@@ -101,8 +100,6 @@ def open_metadata_store(flags: StorageFlags) -> Iterator[Store]:
 
 def open_existing_object_store(flags: StorageFlags) -> ObjectStore:
     """The existing object store the flags point at (never creates one)."""
-    from rollout.store import open_object_store
-
     if flags.object_path is not None:
         path = flags.object_path
     elif flags.config is not None:
@@ -276,8 +273,6 @@ def prune_command(
     config: ConfigOption = None,
 ) -> None:
     """Delete a run's older snapshot rows (blobs go with `snapshot gc`)."""
-    from rollout.snapshots import prune_snapshots
-
     with open_metadata_store(StorageFlags(storage_path, object_path, dsn, config)) as store:
         pruned = prune_snapshots(store, run_id=run_id, keep_last=keep_last, keep_labeled=keep_labeled)
     typer.echo(f"pruned {pruned} snapshots")
@@ -291,8 +286,6 @@ def gc_command(
     config: ConfigOption = None,
 ) -> None:
     """Delete blobs that no snapshot references (don't run it while a run is saving a snapshot)."""
-    from rollout.snapshots import collect_garbage
-
     flags = StorageFlags(storage_path, object_path, dsn, config)
     objects = open_existing_object_store(flags)
     with open_metadata_store(flags) as store:
@@ -312,8 +305,6 @@ def export_command(
     config: ConfigOption = None,
 ) -> None:
     """Write a train_state snapshot as a Hugging Face-loadable model directory."""
-    from rollout.export import export_snapshot
-
     flags = StorageFlags(storage_path, object_path, dsn, config)
     with open_metadata_store(flags) as store:
         record = store.get_snapshot(snapshot_id)
@@ -381,6 +372,4 @@ def _resolve_metadata_location(flags: StorageFlags) -> tuple[str | None, Path | 
 
 
 def _load_storage_config(config: Path) -> StorageConfig:
-    from rollout.config import load_config
-
     return load_config(Path(config)).storage

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,14 +31,14 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
+from rollout.config import StorageConfig
+from rollout.config_base import format_validation_errors
 from rollout.errors import ConfigError
-
-if TYPE_CHECKING:
-    from rollout.config import StorageConfig
 
 TARGET_FIELDS = ("model", "snapshot", "base_url")
 
@@ -194,18 +194,12 @@ def build_eval_config(
     try:
         return _EvalFile.model_validate({"eval": values}, context=context).eval
     except ValidationError as err:
-        from rollout.config import format_validation_errors
-
         messages = format_validation_errors(err, {"eval": values}, text=text, source=source)
         raise ConfigError(messages[0], details=messages[1:]) from None
 
 
 def read_storage_config(path: Path) -> StorageConfig | None:
     """The `[storage]` table of a TOML file as a `StorageConfig` (paths against its folder), or None."""
-    from pydantic import create_model
-
-    from rollout.config import StorageConfig, format_validation_errors
-
     storage_file = create_model(
         "StorageFile", __config__=ConfigDict(extra="ignore"), storage=(StorageConfig | None, None)
     )

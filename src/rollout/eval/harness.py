@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import threading
 import time
 import urllib.error
@@ -30,13 +31,19 @@ from typing import Any, Literal
 
 import blake3
 
+from rollout.data.jsonl import read_rows
 from rollout.errors import ConfigError, DataError, ModelError, RolloutError, StorageError
 from rollout.eval.config import EvalConfig
 from rollout.eval.metrics import EvalSummary
 from rollout.eval.runner import run_eval, summarize_samples, summary_to_dict
+from rollout.export import export_snapshot
+from rollout.inference.models import digest_model_dir
 from rollout.inference.sampler import EngineSampler, RetryPolicy
 from rollout.inference.types import InferenceEngine, SamplingParams
+from rollout.observe import heartbeat_interval_s
+from rollout.rl.envs import resolve_env
 from rollout.rl.types import EnvFactory
+from rollout.store import open_object_store
 from rollout.store.base import EvalRecord, EvalSampleRecord, Store
 
 ProgressFn = Callable[[int, int], None]
@@ -73,8 +80,6 @@ class Target:
 
 def load_eval_data(cfg: EvalConfig, env_factory: EnvFactory, *, path: Path | None = None) -> EvalData:
     """Read and check every prompt row (`DataError` naming `file:line`); `path` overrides `cfg.data`."""
-    from rollout.data.jsonl import read_rows
-
     path = path or cfg.data or getattr(env_factory, "default_data", None)
     if path is None:
         raise ConfigError(f"no data: pass --data (the env {cfg.env!r} has no default data)")
@@ -114,8 +119,6 @@ def resolve_target(
 ) -> Target:
     """Check the target exists and answers, without loading a model (exit-2 errors come here)."""
     if cfg.model is not None:
-        from rollout.inference.models import digest_model_dir
-
         path = Path(cfg.model)
         if not (path / "config.json").is_file():
             raise ModelError(f"{cfg.model}: not a model folder (no config.json)")
@@ -210,11 +213,6 @@ def load_engine(
 def _export_snapshot(
     snapshot_id: str, stack: ExitStack, *, store: Store | None, object_path: Path | None
 ) -> Path:
-    import tempfile
-
-    from rollout.export import export_snapshot
-    from rollout.store import open_object_store
-
     assert store is not None and object_path is not None  # resolve_target checked them
     out = (
         Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-eval-")))
@@ -367,8 +365,6 @@ def _run_missing(
         if on_progress is not None:
             on_progress(len(batch), sum(s.completion_tokens for s in batch))
 
-    from rollout.rl.envs import resolve_env
-
     params = SamplingParams(
         temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, stop=tuple(cfg.stop)
     )
@@ -420,8 +416,6 @@ class _Heartbeat:
     """
 
     def __init__(self, store: Store, eval_id: str) -> None:
-        from rollout.observe import heartbeat_interval_s
-
         self._store, self._eval_id = store, eval_id
         self._interval = heartbeat_interval_s()
         self._stop = threading.Event()
