@@ -34,8 +34,9 @@ demo: install
 	@echo "runs:    $(ROLLOUT) runs list --storage-path local/rollout.db"
 	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/sft-tiny, models/rm-tiny, models/grpo-tiny)"
 
+# Two workers (one torch thread each), whole files per worker so a module's fixtures are built once.
 test: install
-	$(BIN)/pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"

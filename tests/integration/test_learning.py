@@ -84,7 +84,7 @@ def test_dpo_example_raises_held_out_reward_accuracy(workspace, sft_run, tmp_pat
     )
     acc0, margin0 = implicit_reward_accuracy(reference, reference, tok, pairs, beta=0.1, max_seq_len=64)
     print(f"DPO held-out reward accuracy {acc0:.3f} -> {acc:.3f}, mean margin {margin0:.3f} -> {margin:.3f}")
-    assert margin0 == 0.0 and acc >= 0.83 and margin > 0.2  # grid worst cell 0.885 (seed 4): see the README
+    assert margin0 == 0.0 and acc >= 0.90 and margin > 0.2  # grid worst cell 0.965 (seed 4): see the README
     store = open_store("embedded", path=cfg.storage.embedded.path)
     margins = [m.value for m in store.read_metrics(result.run_id, name="rewards/margins")]
     store.close()

@@ -12,8 +12,8 @@ from rollout.store import open_store
 SMALL = {
     '"../local/models/sft-tiny"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 4",
-    "max_steps = 150": "max_steps = 2",
-    "every_steps = 75": "every_steps = 100",
+    "max_steps = 300": "max_steps = 2",
+    "every_steps = 150": "every_steps = 100",
 }
 
 

@@ -58,8 +58,8 @@ _PREF = {
     '"../local/models/sft-tiny"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 4",
     "gradient_accumulation = 1": "gradient_accumulation = 2",
-    "max_steps = 150": f"max_steps = {N}",
-    "every_steps = 75": f"every_steps = {N // 2}",
+    "max_steps = 300": f"max_steps = {N}",
+    "every_steps = 150": f"every_steps = {N // 2}",
     "keep_last = 3": "keep_last = 10",
 }
 

@@ -112,13 +112,14 @@ def test_run_many_keeps_order_and_leaks_nothing(sandbox: LocalSandbox, sandbox_t
     fds_before = set(os.listdir("/proc/self/fd"))
     dirs_before = set(os.listdir(sandbox_tmp))
     me = os.getpid()
+    children_before = {pid for pid, (ppid, _) in processes().items() if ppid == me}  # other tests' servers
     codes = [f"print({i} * {i})" for i in range(200)]
     results = asyncio.run(run_many(codes, limits=LIMITS, concurrency=16, backend=sandbox))
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(200)]
     assert all(r.exit_code == 0 for r in results)
     assert set(os.listdir("/proc/self/fd")) == fds_before
     assert set(os.listdir(sandbox_tmp)) == dirs_before
-    assert [pid for pid, (ppid, _) in processes().items() if ppid == me] == []
+    assert [pid for pid, (ppid, _) in processes().items() if ppid == me and pid not in children_before] == []
 
 
 def test_run_many_rejects_zero_concurrency() -> None:
