@@ -210,3 +210,47 @@ def test_faulty_endpoint_samples_are_retried_then_failed_and_the_eval_finishes(t
     stored = store.get_eval(record.id)
     assert stored.status == "succeeded" and stored.timings["retries"] == 2 * 2 + 2 * 2 + 2 * 1
     store.close()
+
+
+class ToolUsingEngine:
+    """Calls the calculator when the conversation has no tool result yet, then repeats the result.
+    Records the tools each request carried (what the chat template / endpoint receives)."""
+
+    model_name = "tool-user"
+    weights_version = 0
+
+    def __init__(self) -> None:
+        self.tools_seen: list[object] = []
+
+    def generate(self, requests, params=None):
+        from rollout.inference.types import Completion, as_request
+
+        out = []
+        for r in map(as_request, requests):
+            self.tools_seen.append(r.tools)
+            tool = [m for m in r.prompt if m["role"] == "tool"]
+            if tool:
+                text = f"The answer is {tool[-1]['content']}."
+            else:
+                question = r.prompt[-1]["content"].removeprefix("What is ").rstrip("?")
+                text = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{question}"}}}}</tool_call>'
+            out.append((Completion(0, text, (7,), (-0.5,), "stop", 3, 1),))
+        return out
+
+    def update_weights(self, weights):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+def test_a_tool_env_gets_its_tools_rendered_and_its_calls_run():
+    from rollout.rl.calculator_env import CalculatorEnv
+    from rollout.tasks.calculator import calculator_tool
+
+    engine = ToolUsingEngine()
+    rows = [{"prompt": [{"role": "user", "content": "What is 123*45?"}], "answer": "5535"}]
+    result = run(EngineSampler(engine, max_batch=8), CalculatorEnv, rows, n=2, seed=0, max_turns=3)
+    assert [(s.reward, s.turns, s.tool_calls, s.answer) for s in result.samples] == [(1.0, 2, 1, "5535")] * 2
+    schema = calculator_tool().openai_schema()
+    assert engine.tools_seen and all(t == (schema,) for t in engine.tools_seen)

@@ -16,3 +16,23 @@ def flaky_reward(prompts, completions, **fields):
 def text_length(prompts, completions, **fields):
     """Longer text scores higher: a signal even an untrained model's samples vary on."""
     return [len(c) / 10 for c in completions]
+
+
+class ThreeTurnEnv:
+    """Three assistant turns whatever the model says, then done; each turn rewarded by its length
+    (a signal an untrained model's samples vary on). Exercises multi-turn episodes end to end."""
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+        self.turn = 0
+
+    async def reset(self, row):
+        return [dict(m) for m in row["prompt"]]
+
+    async def step(self, message):
+        from rollout.rl.types import StepResult
+
+        self.turn += 1
+        done = self.turn >= self.turns
+        reply = () if done else ({"role": "user", "content": f"and {self.turn}?"},)
+        return StepResult(reply, len(message["content"]) / 10, done)

@@ -65,6 +65,51 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     assert rewards_a == rewards_b  # sampling resumed identically too
 
 
+MULTI_TURN = {
+    '"../local/models/tools-sft-tiny"': '"../local/models/tiny"',
+    '"../local/data/calculator/prompts.jsonl"': '"../local/data/arithmetic/prompts.jsonl"',
+    'name = "calculator"': 'name = "rl_plugins:ThreeTurnEnv"',
+    "minibatch_size = 8 ": "minibatch_size = 3 ",
+    "num_generations = 8": "num_generations = 4",
+    "max_tokens = 80 ": "max_tokens = 4 ",
+    "max_episode_tokens = 192": "max_episode_tokens = 64",
+    "max_steps = 40": f"max_steps = {N}",
+    "every_steps = 20": f"every_steps = {N // 2}",
+    "dynamic_sampling = true": "dynamic_sampling = false",
+    "lr = 2e-4": "lr = 1e-3",
+}
+
+
+def test_multi_turn_grpo_resume_is_bit_identical(workspace, tmp_path):
+    """Three-turn episodes (env tokens between sampled turns): a run resumed from its mid-run
+    snapshot ends with the uninterrupted run's weights and optimizer, and samples the same."""
+    from rollout.algorithms.grpo import train_grpo
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    config = example_config("tools-grpo-tiny.toml", workspace, tmp_path, MULTI_TURN)
+    cfg = load_config(config)
+    full = train_grpo(cfg)
+    store = _store(cfg)
+    snaps = {s.step: s for s in store.list_snapshots(run_id=full.run_id, kind="train_state")}
+    turns = [m.value for m in store.read_metrics(full.run_id, name="episode/turns_mean")]
+    sampled = [m.value for m in store.read_metrics(full.run_id, name="episode/sampled_tokens_mean")]
+    tokens = [m.value for m in store.read_metrics(full.run_id, name="episode/tokens_mean")]
+    store.close()
+    assert turns == [3.0] * N  # every episode ran its three turns
+    assert all(t > s for t, s in zip(tokens, sampled, strict=True))  # env tokens sit between the turns
+    out = _cli("train", "grpo", "--config", str(config), "--resume", snaps[N // 2].id[:10])
+    assert out.returncode == 0, out.stderr
+    run_b = out.stdout.split("run ", 1)[1].split()[0]
+    store = _store(cfg)
+    snaps_b = {s.step: s for s in store.list_snapshots(run_id=run_b, kind="train_state")}
+    rewards_a = [m.value for m in store.read_metrics(full.run_id, name="rollout/reward_mean") if m.step > N // 2]
+    rewards_b = [m.value for m in store.read_metrics(run_b, name="rollout/reward_mean")]
+    store.close()
+    assert snaps_b[N].manifest["blobs"]["model"]["digest"] == snaps[N].manifest["blobs"]["model"]["digest"]
+    assert snaps_b[N].manifest["blobs"]["optimizer"]["digest"] == snaps[N].manifest["blobs"]["optimizer"]["digest"]
+    assert rewards_a == rewards_b
+
+
 def test_failing_reward_function_drops_samples_and_the_run_goes_on(workspace, tmp_path):
     from rollout.algorithms.grpo import train_grpo
 

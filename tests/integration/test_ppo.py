@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +52,42 @@ def test_ppo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     store.close()
     for blob in ("model", "optimizer"):
         assert snap_b.manifest["blobs"][blob]["digest"] == snaps[N].manifest["blobs"][blob]["digest"]
+
+
+def test_multi_turn_ppo_places_turn_rewards_and_trains(workspace, tmp_path):
+    """PPO on three-turn episodes: per-token GAE over the sampled tokens only, each turn's reward
+    at that turn's last sampled token; the run trains and logs episode metrics."""
+    from rollout.algorithms.ppo import train_ppo
+    from rollout.store import open_store as _open
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    env_table = '[algorithm.ppo.env]\nname = "rl_plugins:ThreeTurnEnv"\nmax_turns = 3\nmax_episode_tokens = 64\n'
+    replace = {**SMALL, "max_steps = 4": "max_steps = 2",
+               '[[algorithm.ppo.rewards]]\nname = "arithmetic_correct"\nweight = 1.0\n': env_table}
+    cfg = load_config(example_config("ppo-tiny.toml", workspace, tmp_path, replace))
+    result = train_ppo(cfg)
+    store = _open("embedded", path=cfg.storage.embedded.path)
+    turns = [m.value for m in store.read_metrics(result.run_id, name="episode/turns_mean")]
+    losses = [m.value for m in store.read_metrics(result.run_id, name="train/loss")]
+    store.close()
+    assert result.steps == 2 and turns == [3.0, 3.0] and all(math.isfinite(x) for x in losses)
+
+
+def test_turn_rewards_sit_at_each_turns_last_sampled_token():
+    from rollout.algorithms.ppo import turn_reward_tensor
+    from rollout.rl.types import Sample
+
+    def sample(mask, turn_rewards, reward, n=7):
+        return Sample(0, 0, "p", (1,), tuple(range(n)), "", (0.0,) * n, "stop", reward, {}, "ok", 0,
+                      completion_mask=mask, turn_rewards=turn_rewards)
+
+    multi = sample((True, True, False, False, True, False, True), (0.5, 0.0, 2.0), 2.5)
+    single = sample(None, (), 1.0)
+    out = turn_reward_tensor([multi, single], 8)
+    assert out[0].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]
+    # the middle turn (index 4) earned 0.0; a single-turn sample's reward sits on its last token
+    assert multi.turn_ends == (1, 4, 6)
+    assert out[1].tolist() == [0.0] * 6 + [1.0, 0.0]
 
 
 def test_ppo_snapshot_exports_the_policy(workspace, tmp_path):

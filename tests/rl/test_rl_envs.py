@@ -8,6 +8,7 @@ import pytest
 
 from rollout.errors import ConfigError
 from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.rl.calculator_env import CalculatorEnv
 from rollout.rl.envs import ArithmeticEnv, MathAnswerEnv, resolve_env, reward_from_env
 from rollout.rl.math_answer import extract_math_answer, math_answers_match, normalize_math_answer
 from rollout.rl.rewards import score_batch
@@ -105,11 +106,12 @@ def test_math_env() -> None:
 def test_resolve_env() -> None:
     assert resolve_env("arithmetic") is ArithmeticEnv
     assert resolve_env("math") is MathAnswerEnv
-    assert set(BUILTIN_ENVS) == {"arithmetic", "math"}
+    assert resolve_env("calculator") is CalculatorEnv
+    assert set(BUILTIN_ENVS) == {"arithmetic", "math", "calculator"}
     two_turn = resolve_env("rl_helpers:TwoTurnEnv")
     assert isinstance(two_turn(), Env)
     with pytest.raises(
-        ConfigError, match=r"unknown env 'chess': expected a built-in env \(arithmetic, math\)"
+        ConfigError, match=r"unknown env 'chess': expected a built-in env \(arithmetic, calculator, math\)"
     ):
         resolve_env("chess")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz' for env"):

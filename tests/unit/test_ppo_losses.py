@@ -65,10 +65,36 @@ def test_gae_hand_unrolled():
     rows_approx(returns, [[a0 + 0.5, a1 + 0.4, a2 + 0.3], [b0 + 0.2, b1 + 0.6, 0.0]])
 
 
-def test_gae_rejects_left_padding():
-    left = torch.tensor([[False, True, True]])
-    with pytest.raises(ValueError, match="right-padded"):
-        compute_gae(torch.zeros(1, 3), torch.zeros(1, 3), left, gamma=1.0, lam=1.0)
+def test_gae_skips_env_tokens_inside_an_episode():
+    """Two turns with an env token between them: the env token gets no advantage, and the first
+    turn's last token bootstraps from the second turn's first token (not from the env token)."""
+    gamma, lam = 0.9, 0.8
+    mask = torch.tensor([[True, True, False, True, False]])  # sampled, sampled, env, sampled, pad
+    rewards = t([[0.0, 0.5, 7.0, 1.0, 3.0]])
+    values = t([[0.2, 0.3, 9.0, 0.6, 5.0]])
+    advantages, returns = compute_gae(rewards, values, mask, gamma=gamma, lam=lam)
+    a3 = 1.0 + gamma * 0.0 - 0.6
+    a1 = (0.5 + gamma * 0.6 - 0.3) + gamma * lam * a3
+    a0 = (0.0 + gamma * 0.3 - 0.2) + gamma * lam * a1
+    rows_approx(advantages, [[a0, a1, 0.0, a3, 0.0]])
+    rows_approx(returns, [[a0 + 0.2, a1 + 0.3, 0.0, a3 + 0.6, 0.0]])
+
+
+def test_gae_on_right_padded_rows_is_unchanged_bit_for_bit():
+    """The skipping loop gives exactly the plain recursion's floats on single-turn rows."""
+    gen = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(6, 9, generator=gen), torch.randn(6, 9, generator=gen)
+    lengths = torch.tensor([9, 1, 4, 7, 2, 5])
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    advantages, _ = compute_gae(rewards, values, mask, gamma=0.99, lam=0.95)
+    expected = torch.zeros(6, 9)
+    for b in range(6):
+        nxt_v, nxt_a = torch.tensor(0.0), torch.tensor(0.0)
+        for i in reversed(range(int(lengths[b]))):
+            delta = rewards[b, i] + 0.99 * nxt_v - values[b, i]
+            nxt_a = delta + 0.99 * 0.95 * nxt_a
+            expected[b, i], nxt_v = nxt_a, values[b, i]
+    assert torch.equal(advantages, expected)
 
 
 # --- whitening -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from it. No torch here: `validate` and `train --dry-run` import this.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -257,6 +257,27 @@ class RewardSpec(StrictModel):
         return self
 
 
+class EpisodeEnvConfig(StrictModel):
+    """`[algorithm.<kind>.env]` as a table: multi-turn episodes (`rl/episode.py`), scored by the env.
+
+    An `env = "name"` string keeps today's single-turn scoring (the env as a reward function).
+    """
+
+    name: str = Field(description=f"Env: {', '.join(BUILTIN_ENVS)} or 'module:attr' (an env factory).")
+    max_turns: int = Field(1, ge=1, le=256, description="Assistant turns per episode.")
+    max_episode_tokens: int = Field(
+        512, ge=1, le=1_048_576, description="Most tokens after the prompt (sampled + env + tool) per episode."
+    )
+    step_timeout_s: float = Field(30.0, gt=0, description="Per env reset / step; a timeout ends the episode (reward 0).")
+    max_concurrent_steps: int = Field(32, ge=1, le=4096, description="Env steps running at once.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env factory.")
+
+    @model_validator(mode="after")
+    def _known(self) -> EpisodeEnvConfig:
+        _check_plugin_name(self.name, tuple(BUILTIN_ENVS), "env")
+        return self
+
+
 class RLCommon(TrainCommon):
     """Shared by GRPO and PPO: sampling, rewards, off-policy control.
 
@@ -271,7 +292,11 @@ class RLCommon(TrainCommon):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     rewards: tuple[RewardSpec, ...] = Field((), description="Reward functions, summed with their weights.")
-    env: str | None = Field(None, description=f"Env scoring completions: {', '.join(BUILTIN_ENVS)} or 'module:attr'.")
+    env: str | EpisodeEnvConfig | None = Field(
+        None,
+        description=f"Env scoring completions: {', '.join(BUILTIN_ENVS)} or 'module:attr'; a table"
+        " ([algorithm.<kind>.env] with name, max_turns, ...) runs multi-turn episodes.",
+    )
     reward_timeout_s: float = Field(30.0, gt=0, description="Per reward-function call; failures drop samples.")
     num_iterations: int = Field(1, ge=1, le=64, description="Optimizer steps per generated batch.")
     off_policy_steps: Literal[0, 1] = Field(
@@ -287,8 +312,13 @@ class RLCommon(TrainCommon):
     def _rl_shape(self) -> RLCommon:
         if not self.rewards and self.env is None:
             raise ValueError("set `env` or at least one [[rewards]] entry")
-        if self.env is not None:
+        if isinstance(self.env, str):
             _check_plugin_name(self.env, tuple(BUILTIN_ENVS), "env")
+        if isinstance(self.env, EpisodeEnvConfig) and self.rewards:
+            raise ValueError(
+                "[[rewards]] can't be combined with an [env] table: an episode's reward is the env's"
+                " (use env = \"name\" to add an env to reward functions)"
+            )
         if self.packing.kind != "off":
             raise ValueError('packing.kind must be "off" for RL (max_seq_len bounds prompt + completion)')
         if self.reference.precompute:

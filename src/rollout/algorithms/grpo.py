@@ -27,6 +27,8 @@ from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
+    episode_setup,
+    max_completion_tokens,
     require_samples,
     resolve_reward_specs,
     snapshot_rl,
@@ -72,7 +74,7 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
     def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model, batch.rows, with_entropy=True)
-        mask = batch.rows.completion_mask
+        mask = batch.rows.target_mask
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         loss, metrics = grpo_loss(
             logps, old, batch.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high, beta=s.beta,
@@ -106,11 +108,12 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
         seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
         max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
-        on_event=lambda name, fields: rec.event(name, **fields),
+        on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
     )
     if s.budget.max_steps is None:
         raise AlgorithmError("grpo needs budget.max_steps (epochs and tokens are not defined for sampled data)")
     total_steps = s.budget.max_steps
+    max_completion = max_completion_tokens(s.max_tokens, s.env)
 
     # ---- policy, reference, optimizer
     model = load_trainable(
@@ -162,13 +165,14 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 micro = []
                 for idx in chunks:
                     rows = collate_prefix([samples[i].prompt_token_ids for i in idx],
-                                          [samples[i].completion_token_ids for i in idx], pad_id).to(device)
+                                          [samples[i].completion_token_ids for i in idx], pad_id,
+                                          [samples[i].completion_mask for i in idx]).to(device)
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
                                        rows.completion_ids.shape[1]).to(device)
                     old = frozen_prefix_logps(model, rows) if stale else None
                     ref_logps = ref.token_logps(rows) if ref is not None else None
                     micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref_logps, rollout))
-                normalizer = grpo_normalizer(s.loss_agg, [m.rows.completion_mask for m in micro], s.max_tokens)
+                normalizer = grpo_normalizer(s.loss_agg, [m.rows.target_mask for m in micro], max_completion)
                 # ---- train: num_iterations optimizer steps on this batch
                 loss_fn = make_grpo_loss_fn(s, normalizer)
                 for _ in range(s.num_iterations):

@@ -31,6 +31,7 @@ from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     build_engine,
+    episode_setup,
     require_samples,
     resolve_reward_specs,
     snapshot_rl,
@@ -47,6 +48,7 @@ from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_lo
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import RolloutManager
+from rollout.rl.types import Sample
 from rollout.run import (
     RunContext,
     finish_training,
@@ -91,11 +93,22 @@ def prefix_values(value_model: Any, rows: Any) -> Any:
     return base.score(hidden).squeeze(-1).float()
 
 
+def turn_reward_tensor(samples: list[Sample], width: int) -> torch.Tensor:
+    """[B, width]: each sample's turn rewards at its turns' last sampled tokens (a single-turn
+    sample: its reward at its last token), zero elsewhere."""
+    out = torch.zeros(len(samples), width, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        rewards = sample.turn_rewards or (float(sample.reward or 0.0),)
+        for end, reward in zip(sample.turn_ends, rewards, strict=True):
+            out[row, end] += reward
+    return out
+
+
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
     def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
         logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True)
         values = prefix_values(model.value, b.rows)
-        mask = b.rows.completion_mask
+        mask = b.rows.target_mask
         loss, metrics = ppo_loss(
             logps, b.old_logps, b.advantages, values, b.old_values, b.returns, mask,
             clip_ratio=s.clip_ratio, clip_value=s.clip_value, vf_coef=s.vf_coef, normalizer=normalizer,
@@ -128,7 +141,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
         seed=cfg.seed, max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
-        on_event=lambda name, fields: rec.event(name, **fields),
+        on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
     )
 
     policy = load_trainable(
@@ -170,16 +183,23 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                 t_train = time.perf_counter()
                 samples = list(batch.ok_samples())
                 rows = collate_prefix([x.prompt_token_ids for x in samples],
-                                      [x.completion_token_ids for x in samples], pad_id).to(device)
-                mask = rows.completion_mask
+                                      [x.completion_token_ids for x in samples], pad_id,
+                                      [x.completion_mask for x in samples]).to(device)
+                mask = rows.target_mask
                 with torch.no_grad():
                     model.eval()
                     old_logps = frozen_prefix_logps(policy, rows)
                     old_values = prefix_values(value, rows) * mask
                     ref_logps = ref.token_logps(rows) if ref is not None else old_logps
                     model.train()
-                    scores = torch.tensor([x.reward for x in samples], dtype=torch.float32, device=device)
-                    token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, kl_coef=s.kl_coef)
+                    if any(x.turn_rewards for x in samples):
+                        # Multi-turn: each turn's reward at that turn's last sampled token.
+                        token_rewards = kl_penalized_rewards(
+                            torch.zeros(len(samples), device=device), old_logps, ref_logps, mask, kl_coef=s.kl_coef
+                        ) + turn_reward_tensor(samples, mask.shape[1]).to(device)
+                    else:
+                        scores = torch.tensor([x.reward for x in samples], dtype=torch.float32, device=device)
+                        token_rewards = kl_penalized_rewards(scores, old_logps, ref_logps, mask, kl_coef=s.kl_coef)
                     advantages, returns = compute_gae(token_rewards, old_values, mask, gamma=s.gamma, lam=s.lam)
                     if s.whiten_advantages and int(mask.sum()) >= 2:
                         advantages = whiten(advantages, mask)

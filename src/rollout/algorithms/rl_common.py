@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rollout.algorithms.config import EpisodeEnvConfig
 from rollout.backends.base import TrainingBackend
 from rollout.checkpoint import LoopState
 from rollout.errors import AlgorithmError
@@ -35,6 +37,7 @@ from rollout.inference.types import InferenceEngine
 from rollout.inference.weight_sync import DiskReloadWeightSync, InProcessWeightSync, WeightSync
 from rollout.models.load import ModelSource
 from rollout.rl.envs import resolve_env, reward_from_env
+from rollout.rl.episode import EpisodeLimits, EpisodeSetup
 from rollout.rl.manager import RolloutManager
 from rollout.rl.rewards import resolve_reward
 from rollout.rl.types import RewardSpec, RolloutBatch, Sample
@@ -43,12 +46,33 @@ from rollout.run import RunContext, snapshot_backend
 Weights = Mapping[str, torch.Tensor]
 
 
-def resolve_reward_specs(rewards: Sequence[tuple[str, float]], env: str | None) -> list[RewardSpec]:
-    """(name, callable, weight) for every `(name, weight)` of [[rewards]], plus the env as a reward."""
+def resolve_reward_specs(
+    rewards: Sequence[tuple[str, float]], env: str | EpisodeEnvConfig | None
+) -> list[RewardSpec]:
+    """(name, callable, weight) for every `(name, weight)` of [[rewards]], plus an `env = "name"`
+    as a reward (an [env] table scores its own episodes: see `episode_setup`)."""
     specs = [(name, resolve_reward(name), weight) for name, weight in rewards]
-    if env is not None:
+    if isinstance(env, str):
         specs.append((f"env:{env}", reward_from_env(resolve_env(env), name=env), 1.0))
     return specs
+
+
+def episode_setup(env: str | EpisodeEnvConfig | None, tokenizer: Any) -> EpisodeSetup | None:
+    """Multi-turn episodes for an [env] table (None for single-turn scoring)."""
+    if not isinstance(env, EpisodeEnvConfig):
+        return None
+    factory = resolve_env(env.name)
+    options = dict(env.options)
+    limits = EpisodeLimits(
+        max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
+        step_timeout_s=env.step_timeout_s, max_concurrent_steps=env.max_concurrent_steps,
+    )
+    return EpisodeSetup(tokenizer, functools.partial(factory, **options) if options else factory, limits)
+
+
+def max_completion_tokens(max_tokens: int, env: str | EpisodeEnvConfig | None) -> int:
+    """The longest completion a sample can have: one reply, or a whole episode after its prompt."""
+    return env.max_episode_tokens if isinstance(env, EpisodeEnvConfig) else max_tokens
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def check_plugins(cfg: RunConfig) -> None:
     for spec in rewards:
         resolve_reward(spec.name)
     if env is not None:
-        resolve_env(env)
+        resolve_env(env if isinstance(env, str) else env.name)
 
 
 def validate(

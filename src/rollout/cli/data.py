@@ -4,6 +4,8 @@ Examples:
 
     rollout data arithmetic ./data/arith
     rollout data arithmetic ./data/arith3 --ops "+-*" --max-operand 20 --num-train 8000 --seed 1
+    rollout data calculator ./data/calc
+    rollout data calculator ./data/calc4 --left-digits 4 --n-sft 500 --seed 1
 """
 
 from __future__ import annotations
@@ -56,3 +58,34 @@ def arithmetic(
     for name, path in written.items():
         lines = num_train if not name.startswith("eval_") else num_eval
         typer.echo(f"{path}  ({lines} lines)")
+
+
+@app.command("calculator")
+def calculator(
+    out_dir: Path = typer.Argument(..., help="Directory to write the jsonl files to."),
+    seed: int = typer.Option(0, help="Seed; sft, train and eval lines use independent streams from it."),
+    n_sft: int = typer.Option(2000, help="SFT traces (tool call, tool result, final answer) in sft.jsonl."),
+    n_train: int = typer.Option(4000, help="RL prompts in prompts.jsonl."),
+    n_eval: int = typer.Option(200, help="Distinct eval prompts in eval_prompts.jsonl (in no other file)."),
+    left_digits: int = typer.Option(3, help="Digits of the left operand."),
+    right_digits: int = typer.Option(2, help="Digits of the right operand."),
+    ops: str = typer.Option(
+        "*", help='Operators to draw from, e.g. "*" or "+-*" (use --ops=-* if it starts with -).'
+    ),
+) -> None:
+    """Write the calculator tool-use task: sft.jsonl, prompts.jsonl and eval_prompts.jsonl."""
+    from rollout.tasks.calculator import digits_range, write_calculator_data
+
+    written = write_calculator_data(
+        out_dir,
+        seed=seed,
+        n_sft=n_sft,
+        n_train=n_train,
+        n_eval=n_eval,
+        left=digits_range(left_digits),
+        right=digits_range(right_digits),
+        ops=parse_ops(ops),
+    )
+    lines = {"sft": n_sft, "prompts": n_train, "eval_prompts": n_eval}
+    for name, path in written.items():
+        typer.echo(f"{path}  ({lines[name]} lines)")

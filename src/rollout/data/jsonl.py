@@ -174,12 +174,22 @@ def _parse_line(raw: bytes) -> tuple[object, str | None]:
 
 def _check_sft(data: dict) -> str | None:
     if "messages" in data:
-        return _check_messages(data["messages"], "messages", need_assistant=True)
+        return _check_messages(data["messages"], "messages", need_assistant=True) or _check_tools(data)
     if "prompt" in data or "completion" in data:
         return _check_prompt_completion(data)
     if "text" in data:
         return _check_string(data["text"], "text")
     return 'missing field "messages" (sft lines need "messages", "prompt" + "completion", or "text")'
+
+
+def _check_tools(data: dict) -> str | None:
+    """An optional "tools" field: the OpenAI tool schemas the chat template renders."""
+    tools = data.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        return f'field "tools" must be a list of tool schemas (objects), got {json_type(tools)}'
+    return None
 
 
 def _check_preference(data: dict) -> str | None:

@@ -29,6 +29,7 @@ Tokenizer calls are batched per line shape (10k short chat lines: about a second
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,7 +160,8 @@ def _encode_messages(
     if need_mask:
         _require_generation_markers(tokenizer, loss_on)
     ids_list, masks = _render_chats(
-        tokenizer, [row.data["messages"] for row in rows], assistant_mask=need_mask
+        tokenizer, [row.data["messages"] for row in rows], assistant_mask=need_mask,
+        tools=[row.data.get("tools") for row in rows],
     )
     out = []
     for ids, mask in zip(ids_list, masks or [None] * len(ids_list), strict=True):
@@ -343,21 +345,37 @@ def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _render_chats(
-    tokenizer: Tokenizer, conversations: list[list[dict]], *, assistant_mask: bool = False
+    tokenizer: Tokenizer,
+    conversations: list[list[dict]],
+    *,
+    assistant_mask: bool = False,
+    tools: list[list[dict] | None] | None = None,
 ) -> tuple[list[list[int]], list[list[int]] | None]:
-    """Chat-template token ids (and the assistant masks when asked) of many conversations."""
+    """Chat-template token ids (and the assistant masks when asked) of many conversations.
+
+    `tools[i]` (a line's "tools" field, OpenAI tool schemas) goes to the template as `tools=`,
+    as TRL's SFT does; conversations with the same tools are rendered in one call."""
     if not conversations:
         return [], [] if assistant_mask else None
     _require_chat_template(tokenizer)
-    out = tokenizer.apply_chat_template(
-        conversations,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=assistant_mask,
-    )
-    ids = [list(x) for x in out["input_ids"]]
-    masks = [list(m) for m in out["assistant_masks"]] if assistant_mask else None
-    return ids, masks
+    groups: dict[str, list[int]] = {}
+    for i, row_tools in enumerate(tools or [None] * len(conversations)):
+        groups.setdefault(json.dumps(row_tools, sort_keys=True) if row_tools else "", []).append(i)
+    ids: list[list[int]] = [[] for _ in conversations]
+    masks: list[list[int]] = [[] for _ in conversations]
+    for key, idx in groups.items():
+        out = tokenizer.apply_chat_template(
+            [conversations[i] for i in idx],
+            tools=json.loads(key) if key else None,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=assistant_mask,
+        )
+        for j, i in enumerate(idx):
+            ids[i] = list(out["input_ids"][j])
+            if assistant_mask:
+                masks[i] = list(out["assistant_masks"][j])
+    return ids, masks if assistant_mask else None
 
 
 def _render_prompts(tokenizer: Tokenizer, prompts: list[list[dict]]) -> list[list[int]]:

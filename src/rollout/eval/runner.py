@@ -81,13 +81,15 @@ async def run_single_turn_episode(
     """
     assert params.seed is not None, "every eval sample has its own seed"
     messages: list[Message] = list(await env.reset(row))
+    env_tools = getattr(env, "tools", None)
+    tools = [t.openai_schema() for t in env_tools] if env_tools else None
     reward, answer, tool_calls = 0.0, None, 0
     prompt_tokens = completion_tokens = turns = 0
     truncated, finish_reason = False, None
     while True:
         turn_seed = params.seed if turns == 0 else derive_seed(params.seed, turns)
         try:
-            completion = await sampler.sample(messages, replace(params, seed=turn_seed))
+            completion = await sampler.sample(messages, replace(params, seed=turn_seed), tools=tools)
         except SampleFailed as err:
             return Episode(
                 tuple(messages), reward, answer, turns, tool_calls, None, prompt_tokens,
@@ -110,7 +112,7 @@ async def run_single_turn_episode(
             truncated, finish_reason = True, "max_turns"
             break
         messages.extend(dict(m) for m in step.messages)
-        tool_calls += sum(1 for m in step.messages if m.get("role") == "tool")
+        tool_calls += int(step.info.get("tool_calls", sum(1 for m in step.messages if m.get("role") == "tool")))
     return Episode(
         tuple(messages), reward, answer, turns, tool_calls, finish_reason, prompt_tokens,
         completion_tokens, truncated,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
@@ -126,7 +126,7 @@ class HFEngine:
     def weights_version(self) -> int:
         return self._weights_version
 
-    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+    def tokenize(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, ...]:
         if isinstance(prompt, str):
             if not prompt:
                 raise GenerationError("the prompt is empty")
@@ -137,7 +137,8 @@ class HFEngine:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise GenerationError(f"model {self.model_name} has no chat template; send a text prompt")
             rendered = self.tokenizer.apply_chat_template(
-                [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True
+                [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True,
+                tools=[dict(t) for t in tools] if tools else None,
             )
             ids = (
                 rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
@@ -277,8 +278,8 @@ class HFSession:
         ids = (
             request.prompt_token_ids
             if request.prompt_token_ids is not None
-            else self.engine.tokenize(request.prompt)
-        )  # type: ignore[arg-type]
+            else self.engine.tokenize(request.prompt, request.tools)  # type: ignore[arg-type]
+        )
         if not ids:
             raise GenerationError("the prompt has no tokens")
         limit = self.engine.max_model_len

@@ -145,6 +145,8 @@ class OpenAIEngine:
             extra.update(return_token_ids=True, return_tokens_as_token_ids=True)
         try:
             if request.prompt is not None and not isinstance(request.prompt, str):
+                if request.tools:
+                    common["tools"] = [dict(t) for t in request.tools]
                 response = self._client.chat.completions.create(
                     messages=[dict(m) for m in request.prompt],  # type: ignore[misc]
                     logprobs=True,

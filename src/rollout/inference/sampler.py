@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -76,13 +76,15 @@ log = logging.getLogger("rollout.serve")
 T = TypeVar("T")
 Choices = tuple[Completion, ...]
 """The `n` completions of one request."""
+Tools = Sequence[Mapping[str, Any]] | None
 
 
 class Sampler(Protocol):
     """Anything that turns one prompt into one completion, asynchronously."""
 
-    async def sample(self, prompt: Prompt, params: SamplingParams) -> Completion:
-        """One completion (`params.n` is ignored: one choice); `SampleFailed` when it can't be produced."""
+    async def sample(self, prompt: Prompt, params: SamplingParams, *, tools: Tools = None) -> Completion:
+        """One completion (`params.n` is ignored: one choice); `SampleFailed` when it can't be produced.
+        `tools` (OpenAI tool schemas) are rendered by the chat template / sent to the endpoint."""
         ...
 
 
@@ -164,11 +166,11 @@ class EngineSampler:
         self._scheduled = False
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="rollout-sampler")
 
-    async def sample(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    async def sample(self, prompt: Prompt, params: SamplingParams, *, tools: Tools = None) -> Completion:
         failures, solo = 0, False
         while True:
             try:
-                return await self._submit(prompt, params, solo=solo)
+                return await self._submit(prompt, params, solo=solo, tools=tools)
             except _BatchFailed:
                 solo = True
             except GenerationError as err:
@@ -187,10 +189,12 @@ class EngineSampler:
 
     # ----------------------------------------------------------------- dispatch
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, *, solo: bool) -> asyncio.Future[Completion]:
+    def _submit(
+        self, prompt: Prompt, params: SamplingParams, *, solo: bool, tools: Tools = None
+    ) -> asyncio.Future[Completion]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
-        request = GenerationRequest(prompt=prompt, params=params if params.n == 1 else _one(params))
+        request = GenerationRequest(prompt=prompt, params=params if params.n == 1 else _one(params), tools=tools)
         self._queue.append(_Pending(request, future, solo))
         if not self._scheduled:  # after the coroutines runnable now have queued theirs: they share a batch
             self._scheduled = True
@@ -377,10 +381,10 @@ class BatchingSampler:
             self._cond.notify()
         return [job.future for job in jobs]
 
-    async def sample(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    async def sample(self, prompt: Prompt, params: SamplingParams, *, tools: Tools = None) -> Completion:
         """One completion (`Sampler`): no retries; a `GenerationError` becomes `SampleFailed`."""
         try:
-            choices = await self.submit(GenerationRequest(prompt=prompt, params=_one(params)))
+            choices = await self.submit(GenerationRequest(prompt=prompt, params=_one(params), tools=tools))
         except GenerationError as err:
             raise SampleFailed(str(err), attempts=1) from None
         return choices[0]

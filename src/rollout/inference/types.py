@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from rollout.errors import ConfigError, RolloutError
 
@@ -125,6 +125,8 @@ class GenerationRequest:
 
     Give `prompt` (text or chat messages) or `prompt_token_ids` (already
     tokenized; used as-is). `params` overrides the params passed to `generate`.
+    `tools` (OpenAI tool schemas) go to the chat template (`apply_chat_template(tools=...)`)
+    or, for an endpoint, in the chat request; they need a message-list prompt.
     `on_token` (streaming) and `on_finish` are called from the engine's thread;
     setting `cancel` stops the request at the next decode step (its choices end
     with finish_reason "cancelled").
@@ -136,10 +138,15 @@ class GenerationRequest:
     on_token: Callable[[TokenEvent], None] | None = field(default=None, compare=False)
     on_finish: Callable[[tuple[Completion, ...]], None] | None = field(default=None, compare=False)
     cancel: threading.Event | None = field(default=None, compare=False)
+    tools: tuple[Mapping[str, Any], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise GenerationError("a generation request needs exactly one of prompt or prompt_token_ids")
+        if self.tools is not None:
+            object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
+            if self.prompt is None or isinstance(self.prompt, str):
+                raise GenerationError("tools need a chat-message prompt (the template renders them)")
         if self.prompt_token_ids is not None:
             object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
 

@@ -16,7 +16,7 @@ vLLM's public `LLM` API (>= 0.10).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -82,11 +82,12 @@ class VLLMEngine:
     def weights_version(self) -> int:
         return self._version
 
-    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+    def tokenize(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.tokenizer(prompt)["input_ids"])
         ids = self.tokenizer.apply_chat_template(
-            [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True
+            [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True,
+            tools=[dict(t) for t in tools] if tools else None,
         )
         return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -103,7 +104,7 @@ class VLLMEngine:
         prompts, sampling = [], []
         for r in reqs:
             p = r.params or default
-            ids = r.prompt_token_ids if r.prompt_token_ids is not None else self.tokenize(r.prompt)  # type: ignore[arg-type]
+            ids = r.prompt_token_ids if r.prompt_token_ids is not None else self.tokenize(r.prompt, r.tools)  # type: ignore[arg-type]
             prompts.append({"prompt_token_ids": list(ids)})
             sampling.append(
                 vllm.SamplingParams(

@@ -64,12 +64,13 @@ def compute_gae(
 
     with V = 0 after a row's last masked token (the episode ends there), computed by a reverse
     loop over T. `token_rewards`, `values` [B, T] (values from the rollout, detached); `mask`
-    [B, T] bool must be right-padded (a row's masked tokens come first). Returns
-    `(advantages, returns)`, [B, T] each, 0 at unmasked positions.
+    [B, T] bool marks the tokens the policy sampled. Unmasked tokens inside a row (a
+    multi-turn episode's env and tool tokens) are skipped: t+1 is the next *masked* token, so
+    the last sampled token of a turn bootstraps from the first one of the next turn. Returns
+    `(advantages, returns)`, [B, T] each, 0 at unmasked positions. (For right-padded masks
+    the skipping never triggers: the result is the plain single-turn recursion.)
     """
     _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
-    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError("compute_gae needs right-padded masks (no masked token after an unmasked one)")
     with torch.no_grad():
         rewards = torch.where(mask, token_rewards.float(), 0.0)
         vals = torch.where(mask, values.float(), 0.0)
@@ -78,9 +79,10 @@ def compute_gae(
         next_advantage = torch.zeros_like(rewards[:, 0])
         for t in reversed(range(rewards.shape[1])):
             delta = rewards[:, t] + gamma * next_value - vals[:, t]
-            next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
-            advantages[:, t] = next_advantage
-            next_value = vals[:, t]
+            advantage = delta + gamma * lam * next_advantage
+            advantages[:, t] = torch.where(mask[:, t], advantage, 0.0)
+            next_advantage = torch.where(mask[:, t], advantage, next_advantage)
+            next_value = torch.where(mask[:, t], vals[:, t], next_value)
         returns = torch.where(mask, advantages + vals, 0.0)
     return advantages, returns
 

@@ -38,6 +38,14 @@ class PrefixBatch:
     completion_ids: torch.Tensor  # [B, Lc] right-padded
     completion_mask: torch.Tensor  # [B, Lc] bool: real completion tokens
     owner: torch.Tensor  # [B] long: the prompt row of each completion row
+    loss_mask: torch.Tensor | None = None
+    """[B, Lc] bool: the completion tokens a loss counts, when not all of them (a multi-turn
+    episode's env and tool tokens are attended to but not trained on); None: `completion_mask`."""
+
+    @property
+    def target_mask(self) -> torch.Tensor:
+        """The tokens losses count: `loss_mask` where given, else every real completion token."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def num_rows(self) -> int:
@@ -55,7 +63,8 @@ class PrefixBatch:
 
     def to(self, device: Any) -> PrefixBatch:
         return PrefixBatch(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
-                                                     self.completion_mask, self.owner)))
+                                                     self.completion_mask, self.owner)),
+                           loss_mask=None if self.loss_mask is None else self.loss_mask.to(device))
 
     def select(self, rows: Sequence[int]) -> PrefixBatch:
         """Some rows, with only the prompts they use (in their original order). The completion
@@ -65,13 +74,20 @@ class PrefixBatch:
         pmask = self.prompt_mask[used]
         keep = int(pmask.sum(1).max())
         return PrefixBatch(self.prompt_ids[used][:, -keep:], pmask[:, -keep:], self.completion_ids[idx],
-                           self.completion_mask[idx], owner)
+                           self.completion_mask[idx], owner,
+                           loss_mask=None if self.loss_mask is None else self.loss_mask[idx])
 
 
 def collate_prefix(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    loss_masks: Sequence[Sequence[bool] | None] | None = None,
 ) -> PrefixBatch:
-    """Rows (prompt_i + completion_i); equal prompts are stored once, in order of first appearance."""
+    """Rows (prompt_i + completion_i); equal prompts are stored once, in order of first appearance.
+
+    `loss_masks[i]` (one bool per completion token, or None for all) sets the batch's `loss_mask`
+    when any row has one; rows without one count every token."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError("collate_prefix needs one prompt per completion and at least one row")
     index: dict[tuple[int, ...], int] = {}
@@ -92,8 +108,18 @@ def collate_prefix(
         if c:
             completion_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
             completion_mask[i, : len(c)] = True
+    loss_mask = None
+    if loss_masks is not None and any(m is not None for m in loss_masks):
+        if len(loss_masks) != len(completions):
+            raise ValueError("collate_prefix needs one loss mask (or None) per completion")
+        loss_mask = completion_mask.clone()
+        for i, (m, c) in enumerate(zip(loss_masks, completions, strict=True)):
+            if m is not None:
+                if len(m) != len(c):
+                    raise ValueError(f"row {i}: a loss mask of {len(m)} for {len(c)} completion tokens")
+                loss_mask[i, : len(c)] = torch.tensor(list(m), dtype=torch.bool)
     return PrefixBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                       torch.tensor(owner, dtype=torch.long))
+                       torch.tensor(owner, dtype=torch.long), loss_mask)
 
 
 def pad_rows(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:

@@ -54,7 +54,29 @@ QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 # ChatML. The `{% generation %}` block covers exactly `{content}<|im_end|>` of
 # assistant turns, so `apply_chat_template(..., return_assistant_tokens_mask=True)`
 # marks the tokens an assistant-only SFT loss should train on.
+# `tools=[...]` (OpenAI tool schemas) renders as one leading system block listing
+# signatures only, e.g. "Tools: calculator(expression: string)" ("?" marks an
+# optional parameter): descriptions would eat the tiny model's 512 positions.
+# Without tools the rendering is plain ChatML, byte for byte.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\nTools: ' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = fn['parameters'] if fn['parameters'] is defined else {} -%}"
+    "{%- set required = params['required'] if params['required'] is defined else [] -%}"
+    "{{- (', ' if not loop.first else '') + fn['name'] + '(' -}}"
+    "{%- if params['properties'] is defined -%}"
+    "{%- for name, spec in params['properties'].items() -%}"
+    "{%- set kind = spec['type'] if spec['type'] is defined else 'any' -%}"
+    "{{- (', ' if not loop.first else '') + name + ('' if name in required else '?') + ': ' -}}"
+    "{{- kind if kind is string else kind | join('|') -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- ')' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['role'] == 'assistant' -%}"

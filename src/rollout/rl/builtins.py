@@ -18,4 +18,5 @@ BUILTIN_REWARDS: dict[str, str] = {
 BUILTIN_ENVS: dict[str, str] = {
     "arithmetic": "rollout.rl.envs:ArithmeticEnv",
     "math": "rollout.rl.envs:MathAnswerEnv",
+    "calculator": "rollout.rl.calculator_env:CalculatorEnv",
 }

@@ -52,6 +52,7 @@ from rollout.inference.types import (
     derive_seed,
 )
 from rollout.rl.buffer import DataBuffer
+from rollout.rl.episode import EpisodeSetup, episode_sample, run_episodes, sample_episode_metrics
 from rollout.rl.rewards import score_batch
 from rollout.rl.types import EventHook, RewardSpec, RolloutBatch, Sample
 
@@ -94,12 +95,13 @@ class RolloutManager:
         max_staleness: int = 0,
         reward_timeout_s: float = 30.0,
         on_event: EventHook | None = None,
+        episodes: EpisodeSetup | None = None,
     ) -> None:
         problems = []
         if buffer.num_rows != len(rows):
             problems.append(f"the data buffer has {buffer.num_rows} rows but the dataset has {len(rows)}")
-        if not reward_fns:
-            problems.append("at least one reward function is needed")
+        if not reward_fns and episodes is None:
+            problems.append("at least one reward function (or multi-turn episodes scored by their env) is needed")
         names = [name for name, _, _ in reward_fns]
         if len(set(names)) != len(names):
             problems.append(f"reward function names must be unique, got {names}")
@@ -134,6 +136,7 @@ class RolloutManager:
         self.max_staleness = max_staleness
         self.reward_timeout_s = reward_timeout_s
         self.on_event = on_event
+        self.episodes = episodes
         self._next_group_id = 0
         self._carried: list[Group] = []
         self._totals: Counter[str] = Counter()
@@ -196,6 +199,8 @@ class RolloutManager:
         indices = self.buffer.take(k)
         group_ids = list(range(self._next_group_id, self._next_group_id + k))
         self._next_group_id += k
+        if self.episodes is not None:
+            return await self._run_episode_round(indices, group_ids, policy_version, stats)
         requests = [
             GenerationRequest(
                 prompt=_prompt_of(self.rows[i]),
@@ -237,6 +242,36 @@ class RolloutManager:
         for sample in samples:
             groups.setdefault(sample.group_id, []).append(sample)
         return [tuple(groups[gid]) for gid in group_ids]
+
+    async def _run_episode_round(
+        self, indices: list[int], group_ids: list[int], policy_version: int, stats: _CallStats
+    ) -> list[Group]:
+        """One group of `num_generations` multi-turn episodes per row, every turn one engine batch."""
+        assert self.episodes is not None
+        started = time.perf_counter()
+        episodes = await run_episodes(
+            self.sampler, self.episodes.tokenizer, self.episodes.env_factory,
+            [(gid, self.rows[i]) for i, gid in zip(indices, group_ids, strict=True)],
+            num_generations=self.num_generations, sampling=self.sampling, seed=self.seed,
+            limits=self.episodes.limits,
+        )
+        stats.generation_s += time.perf_counter() - started
+        stats.rounds += 1
+        stats.groups_generated += len(indices)
+        groups = [
+            tuple(episode_sample(ep, self.rows[i], i, policy_version) for ep in group)
+            for i, group in zip(indices, episodes, strict=True)
+        ]
+        stats.tokens += sum(sum(s.loss_mask) for g in groups for s in g)
+        dropped = Counter(s.drop_reason for g in groups for s in g if not s.ok)
+        if dropped:
+            count = sum(dropped.values())
+            stats.samples_dropped += count
+            self._emit("samples_dropped", {"count": count, "reasons": dict(dropped), "policy_version": policy_version})
+        errors = sum(bool(s.episode.get("env_error")) for g in groups for s in g)
+        if errors:
+            self._emit("env_errors", {"count": errors, "policy_version": policy_version})
+        return groups
 
     # ------------------------------------------------------------------------ reporting
 
@@ -291,6 +326,8 @@ class RolloutManager:
             values = [v for s in ok if (v := s.reward_components.get(name)) is not None]
             if values:
                 metrics[f"rollout/reward/{name}"] = statistics.fmean(values)
+        if self.episodes is not None and samples:
+            metrics.update(sample_episode_metrics(samples))
         return metrics
 
     # ------------------------------------------------------------------------ state

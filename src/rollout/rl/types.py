@@ -129,6 +129,13 @@ class Sample:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """The dataset row's fields other than "prompt" (e.g. "answer")."""
     drop_reason: str | None = None
+    completion_mask: tuple[bool, ...] | None = None
+    """Multi-turn episodes: True at the tokens the policy sampled, False at env / tool tokens
+    (whose `rollout_logprobs` are 0.0). None: every completion token was sampled (single turn)."""
+    turn_rewards: tuple[float, ...] = ()
+    """Multi-turn episodes: one reward per assistant turn (their sum is `reward`); () for single turn."""
+    episode: Mapping[str, Any] = field(default_factory=dict)
+    """Multi-turn episodes: turns, tool_calls, tool_errors, truncated, env_error."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -145,14 +152,41 @@ class Sample:
             raise ValueError(f"sample status must be 'ok' or 'dropped', got {self.status!r}")
         if (self.status == "ok") != (self.reward is not None):
             raise ValueError("a sample has a reward exactly when its status is 'ok'")
+        if self.completion_mask is not None:
+            object.__setattr__(self, "completion_mask", tuple(bool(m) for m in self.completion_mask))
+            if len(self.completion_mask) != len(self.completion_token_ids):
+                raise ValueError(
+                    f"sample of group {self.group_id}: a completion mask of {len(self.completion_mask)} for"
+                    f" {len(self.completion_token_ids)} completion tokens"
+                )
+        object.__setattr__(self, "turn_rewards", tuple(float(r) for r in self.turn_rewards))
+        if self.turn_rewards and len(self.turn_rewards) != len(self.turn_ends):
+            raise ValueError(
+                f"sample of group {self.group_id}: {len(self.turn_rewards)} turn rewards for"
+                f" {len(self.turn_ends)} sampled turns"
+            )
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def loss_mask(self) -> tuple[bool, ...]:
+        """True at the completion tokens a policy loss counts (the sampled ones)."""
+        return self.completion_mask if self.completion_mask is not None else (True,) * len(self.completion_token_ids)
+
+    @property
+    def turn_ends(self) -> tuple[int, ...]:
+        """Index into the completion of each sampled turn's last token (one per turn reward)."""
+        mask = self.loss_mask
+        return tuple(i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1]))
+
     def trajectory(self) -> Trajectory:
-        """This sample as a single-turn `Trajectory` (exact: `single_turn()` gives back the token ids
-        and log-probs). The snapshot format stays `to_dict`'s, so old snapshots resume unchanged."""
+        """This sample as a `Trajectory` (exact: for a single-turn sample `single_turn()` gives back
+        the token ids and log-probs). The snapshot format stays `to_dict`'s, so old snapshots resume
+        unchanged."""
+        if self.completion_mask is not None:
+            return self._episode_trajectory()
         return Trajectory(
             segments=(
                 TokenSegment("prompt", self.prompt_token_ids),
@@ -164,8 +198,35 @@ class Sample:
             text=self.completion_text,
         )
 
+    def _episode_trajectory(self) -> Trajectory:
+        assert self.completion_mask is not None
+        segments = [TokenSegment("prompt", self.prompt_token_ids)]
+        turn, start = 0, 0
+        mask = self.completion_mask
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                ids = self.completion_token_ids[start:i]
+                if mask[start]:
+                    segments.append(TokenSegment("sampled", ids, self.rollout_logprobs[start:i], turn=turn))
+                else:
+                    segments.append(TokenSegment("env", ids, turn=turn))
+                    turn += 1
+                start = i
+        return Trajectory(
+            segments=tuple(segments), turn_rewards=self.turn_rewards, reward=self.reward,
+            finish_reason=self.finish_reason, text=self.completion_text,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (tuples become lists); `from_dict` inverts it."""
+        """A JSON-able dict (tuples become lists); `from_dict` inverts it. Episode fields appear only
+        on multi-turn samples, so single-turn snapshots keep their old shape."""
+        episode: dict[str, Any] = {}
+        if self.completion_mask is not None:
+            episode = {
+                "completion_mask": [int(m) for m in self.completion_mask],
+                "turn_rewards": list(self.turn_rewards),
+                "episode": dict(self.episode),
+            }
         return {
             "prompt_index": self.prompt_index,
             "group_id": self.group_id,
@@ -182,7 +243,7 @@ class Sample:
             "policy_version": self.policy_version,
             "metadata": dict(self.metadata),
             "drop_reason": self.drop_reason,
-        }
+        } | episode
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Sample:
@@ -202,6 +263,10 @@ class Sample:
             policy_version=int(data["policy_version"]),
             metadata=dict(data.get("metadata") or {}),
             drop_reason=data.get("drop_reason"),
+            completion_mask=None if data.get("completion_mask") is None else tuple(
+                bool(m) for m in data["completion_mask"]),
+            turn_rewards=tuple(float(r) for r in data.get("turn_rewards") or ()),
+            episode=dict(data.get("episode") or {}),
         )
 
 

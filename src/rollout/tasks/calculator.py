@@ -1,0 +1,220 @@
+"""The calculator task: multi-digit arithmetic a tiny model can't do in its head, solved by a tool call.
+
+    rollout data calculator ./data/calc                   # 2000 sft traces, 4000 RL prompts, 200 eval prompts
+    rollout data calculator ./data/calc2 --left-digits 4 --seed 1
+
+Files (JSON lines):
+
+- `sft.jsonl`: `{"messages": [...]}` traces. The user asks "What is 123*45?",
+  the assistant calls the tool (`<tool_call>{"name": "calculator", "arguments":
+  {"expression": "123*45"}}</tool_call>`, the Hermes/Qwen format
+  `rl.tools.parse_tool_calls` reads), the tool answers with what
+  `rl.tools.calculator` returns, and the assistant ends with "The answer is
+  5535.". The rows carry no "tools" field: the SFT loader doesn't pass one to
+  the chat template.
+- `prompts.jsonl` / `eval_prompts.jsonl`: `{"prompt": [user turn], "answer":
+  "5535"}` rows for GRPO/PPO with the `calculator` env and for `rollout eval`.
+
+Problems are `left op right` with left and right drawn uniformly from their
+ranges (3-digit × 2-digit multiplication by default). Eval problems come from
+their own RNG stream and are distinct; sft and train problems never equal an
+eval problem. Same arguments, same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rollout.errors import ConfigError
+from rollout.rl.tools import Tool, calculator, tool_from_function
+from rollout.tasks.arithmetic import OPS, Problem, write_jsonl
+
+TOOL_NAME = "calculator"
+DEFAULT_LEFT = (100, 999)
+DEFAULT_RIGHT = (10, 99)
+MAX_DIGITS = 30
+"""Per operand, so every result stays far inside the calculator's 100-digit limit."""
+FINAL_ANSWER = "The answer is {answer}."
+_NUMBER = re.compile(r"(?<!\d)-?\d+(?:\.\d+)?")
+"""A minus sign right after a digit is an operator ("5-3" holds 5 and 3), not a sign."""
+
+
+def calculator_tool() -> Tool:
+    """The built-in calculator as a `Tool` (schema from its hints and docstring)."""
+    return tool_from_function(calculator, name=TOOL_NAME)
+
+
+def digits_range(digits: int) -> tuple[int, int]:
+    """The operands with exactly `digits` digits: 3 -> (100, 999); 1 -> (0, 9)."""
+    if not 1 <= digits <= MAX_DIGITS:
+        raise ConfigError(f"operand digits must be in 1..{MAX_DIGITS}, got {digits}")
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+
+def validate_calculator_args(
+    *, left: tuple[int, int], right: tuple[int, int], ops: Sequence[str], n_eval: int
+) -> None:
+    """`ConfigError` for empty or negative ranges, unknown ops, or an eval split too big to keep apart."""
+    for name, (low, high) in (("left", left), ("right", right)):
+        if low < 0:
+            raise ConfigError(f"{name} operands must be >= 0, got the range {low}..{high}")
+        if low > high:
+            raise ConfigError(f"{name} operand range is empty: {low}..{high}")
+    if not ops:
+        raise ConfigError(f"ops must name at least one of {' '.join(OPS)}")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ConfigError(f"unknown op(s) {' '.join(map(repr, unknown))}: expected one of {' '.join(OPS)}")
+    space = (left[1] - left[0] + 1) * (right[1] - right[0] + 1) * len(set(ops))
+    if n_eval > space // 2:
+        raise ConfigError(
+            f"n_eval ({n_eval}) must be at most half of the {space} distinct problems, so that training"
+            " problems can stay disjoint from eval ones"
+        )
+
+
+def draw_problem(
+    rng: random.Random, *, left: tuple[int, int], right: tuple[int, int], ops: Sequence[str]
+) -> Problem:
+    """The op, then the left and right operands, each uniform over its range."""
+    op = rng.choice(list(ops))
+    return Problem(rng.randint(*left), op, rng.randint(*right))
+
+
+def expression_of(problem: Problem) -> str:
+    """What the assistant passes to the calculator: "123*45"."""
+    return f"{problem.left}{problem.op}{problem.right}"
+
+
+def tool_call_text(expression: str) -> str:
+    """The assistant's call, `<tool_call>{"name": "calculator", "arguments": {...}}</tool_call>`."""
+    call = {"name": TOOL_NAME, "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def sft_trace(problem: Problem) -> list[dict[str, str]]:
+    """user question -> assistant tool call -> tool result -> assistant final answer."""
+    expression = expression_of(problem)
+    result = calculator(expression)  # the tool's real output, exactly what the env would send back
+    assert result == str(problem.answer), (expression, result)
+    return [
+        {"role": "user", "content": problem.question},
+        {"role": "assistant", "content": tool_call_text(expression)},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": FINAL_ANSWER.format(answer=result)},
+    ]
+
+
+def prompt_row(problem: Problem) -> dict[str, Any]:
+    """An RL / eval row: `{"prompt": [user turn], "answer": "5535"}`."""
+    return {"prompt": [{"role": "user", "content": problem.question}], "answer": str(problem.answer)}
+
+
+def draw_eval_problems(
+    rng: random.Random, count: int, *, left: tuple[int, int], right: tuple[int, int], ops: Sequence[str]
+) -> list[Problem]:
+    """`count` distinct problems, in draw order (the caller checked that enough exist)."""
+    seen: set[Problem] = set()
+    out: list[Problem] = []
+    while len(out) < count:
+        problem = draw_problem(rng, left=left, right=right, ops=ops)
+        if problem not in seen:
+            seen.add(problem)
+            out.append(problem)
+    return out
+
+
+def draw_train_problems(
+    rng: random.Random,
+    count: int,
+    *,
+    left: tuple[int, int],
+    right: tuple[int, int],
+    ops: Sequence[str],
+    exclude: set[Problem],
+) -> list[Problem]:
+    """`count` problems (repeats allowed) none of which is in `exclude` (at most half of all problems)."""
+    out: list[Problem] = []
+    while len(out) < count:
+        problem = draw_problem(rng, left=left, right=right, ops=ops)
+        if problem not in exclude:
+            out.append(problem)
+    return out
+
+
+def write_calculator_data(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    n_sft: int = 2000,
+    n_train: int = 4000,
+    n_eval: int = 200,
+    left: tuple[int, int] = DEFAULT_LEFT,
+    right: tuple[int, int] = DEFAULT_RIGHT,
+    ops: Sequence[str] = ("*",),
+) -> dict[str, Path]:
+    """Write `sft.jsonl`, `prompts.jsonl` and `eval_prompts.jsonl`; return {name: path}.
+
+    Eval problems come from `random.Random(f"{seed}:eval")`, sft ones from
+    `f"{seed}:sft"` and RL ones from `f"{seed}:train"`; sft and train draws
+    skip every eval problem.
+    """
+    for name, count in (("n_sft", n_sft), ("n_train", n_train), ("n_eval", n_eval)):
+        if count < 1:
+            raise ConfigError(f"{name} must be >= 1, got {count}")
+    validate_calculator_args(left=left, right=right, ops=ops, n_eval=n_eval)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    ranges: dict[str, Any] = {"left": left, "right": right, "ops": ops}
+    eval_problems = draw_eval_problems(random.Random(f"{seed}:eval"), n_eval, **ranges)
+    held_out = set(eval_problems)
+    sft_problems = draw_train_problems(random.Random(f"{seed}:sft"), n_sft, **ranges, exclude=held_out)
+    train_problems = draw_train_problems(random.Random(f"{seed}:train"), n_train, **ranges, exclude=held_out)
+
+    files = {
+        "sft": [{"messages": sft_trace(p), "tools": [calculator_tool().openai_schema()]} for p in sft_problems],
+        "prompts": [prompt_row(p) for p in train_problems],
+        "eval_prompts": [prompt_row(p) for p in eval_problems],
+    }
+    written: dict[str, Path] = {}
+    for name, rows in files.items():
+        path = out_dir / f"{name}.jsonl"
+        write_jsonl(path, rows)
+        written[name] = path
+    return written
+
+
+# --- scoring --------------------------------------------------------------------
+
+
+def answer_from_text(text: str) -> str | None:
+    """The last number in `text` as an integer string ("-18", "5535"; "007" -> "7", "5535.0" -> "5535").
+
+    None when there is no number, or the last one is not a whole number ("2.5").
+    A "-" counts as a sign unless it follows a digit: "5-3" ends with 3.
+    """
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    last = matches[-1]
+    whole, _, fraction = last.partition(".")
+    if fraction.strip("0"):
+        return None
+    return str(int(whole))
+
+
+def is_correct(text: str, answer: str) -> bool:
+    """Whether the last integer of `text` equals `answer` (the calculator task's verifiable reward)."""
+    got = answer_from_text(text)
+    if got is None:
+        return False
+    expected = answer.strip()
+    return got == expected or (re.fullmatch(r"-?\d+", expected) is not None and int(got) == int(expected))

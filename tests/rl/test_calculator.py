@@ -1,0 +1,262 @@
+"""The calculator task: data files, answer extraction, the tool-use env and `rollout data calculator`.
+
+    HF_HUB_OFFLINE=1 .venv/bin/pytest tests/rl/test_calculator.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout.cli.main import main
+from rollout.data.jsonl import check_line
+from rollout.errors import ConfigError
+from rollout.rl.calculator_env import CalculatorEnv, score
+from rollout.rl.tools import ToolCall, ToolStats, calculator, parse_tool_calls
+from rollout.rl.types import Env
+from rollout.tasks.arithmetic import Problem
+from rollout.tasks.calculator import (
+    answer_from_text,
+    digits_range,
+    is_correct,
+    sft_trace,
+    tool_call_text,
+    write_calculator_data,
+)
+
+CALL = tool_call_text("123*45")
+ROW = {"prompt": [{"role": "user", "content": "What is 123*45?"}], "answer": "5535"}
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def problem_of(question: str) -> tuple[int, str, int]:
+    body = question.removeprefix("What is ").removesuffix("?")
+    left, right = body.split("*")
+    return int(left), "*", int(right)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def test_files_are_deterministic_and_seeded(tmp_path: Path) -> None:
+    sizes = {"n_sft": 40, "n_train": 60, "n_eval": 30}
+    a = write_calculator_data(tmp_path / "a", seed=3, **sizes)
+    b = write_calculator_data(tmp_path / "b", seed=3, **sizes)
+    c = write_calculator_data(tmp_path / "c", seed=4, **sizes)
+    assert set(a) == {"sft", "prompts", "eval_prompts"}
+    for name in a:
+        assert a[name].read_bytes() == b[name].read_bytes()
+        assert a[name].read_bytes() != c[name].read_bytes()
+    assert [len(read(a[n])) for n in ("sft", "prompts", "eval_prompts")] == [40, 60, 30]
+
+
+def test_default_problems_are_3_by_2_digit_products_and_eval_is_held_out(tmp_path: Path) -> None:
+    files = write_calculator_data(tmp_path, seed=0, n_sft=300, n_train=300, n_eval=100)
+    eval_rows, train_rows = read(files["eval_prompts"]), read(files["prompts"])
+    sft_questions = [row["messages"][0]["content"] for row in read(files["sft"])]
+    eval_problems = [problem_of(row["prompt"][0]["content"]) for row in eval_rows]
+    assert len(set(eval_problems)) == len(eval_problems)  # distinct
+    train_questions = [row["prompt"][0]["content"] for row in train_rows]
+    others = {problem_of(q) for q in sft_questions + train_questions}
+    assert not others & set(eval_problems)
+    for row in eval_rows + train_rows:
+        left, _, right = problem_of(row["prompt"][0]["content"])
+        assert 100 <= left <= 999 and 10 <= right <= 99
+        assert row["answer"] == str(left * right)
+        assert row["prompt"] == [{"role": "user", "content": f"What is {left}*{right}?"}]
+
+
+def test_a_tiny_problem_space_keeps_the_splits_apart(tmp_path: Path) -> None:
+    # 2 x 2 problems: 2 held out for eval, the others fill sft and train
+    files = write_calculator_data(tmp_path, n_sft=20, n_train=20, n_eval=2, left=(1, 2), right=(3, 4))
+    eval_set = {r["prompt"][0]["content"] for r in read(files["eval_prompts"])}
+    train_set = {r["prompt"][0]["content"] for r in read(files["prompts"])}
+    assert len(eval_set) == 2 and len(train_set) == 2 and not eval_set & train_set
+
+
+def test_sft_traces_parse_and_carry_the_tools_real_output() -> None:
+    messages = sft_trace(Problem(123, "*", 45))
+    assert messages == [
+        {"role": "user", "content": "What is 123*45?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "5535"},
+        {"role": "assistant", "content": "The answer is 5535."},
+    ]
+    parsed = parse_tool_calls(messages[1]["content"])
+    assert parsed.calls == (ToolCall("call_0_0", "calculator", {"expression": "123*45"}),)
+    assert parsed.content == ""
+    assert calculator(**parsed.calls[0].arguments) == messages[2]["content"]
+    assert parse_tool_calls(messages[3]["content"]).calls == ()
+    assert is_correct(messages[3]["content"], "5535")
+
+
+def test_sft_rows_are_valid_sft_lines(tmp_path: Path) -> None:
+    files = write_calculator_data(tmp_path, n_sft=20, n_train=5, n_eval=5)
+    for row in read(files["sft"]):
+        assert check_line(row, "sft") is None
+        call = parse_tool_calls(row["messages"][1]["content"]).calls[0]
+        assert isinstance(call, ToolCall)
+        answer = str(eval(call.arguments["expression"]))  # noqa: S307 - our own "123*45" strings
+        assert row["messages"][2]["content"] == answer
+        assert answer_from_text(row["messages"][3]["content"]) == answer
+    for row in read(files["prompts"]):
+        assert check_line(row, "prompt") is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n_sft": 0}, "n_sft must be >= 1"),
+        ({"n_eval": 0}, "n_eval must be >= 1"),
+        ({"ops": ("/",)}, "unknown op"),
+        ({"left": (5, 4)}, "range is empty"),
+        ({"right": (-3, 4)}, "must be >= 0"),
+        ({"left": (1, 2), "right": (1, 2), "n_eval": 3}, "at most half of the 4 distinct problems"),
+    ],
+)
+def test_bad_arguments_are_config_errors(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        write_calculator_data(tmp_path, **{"n_sft": 2, "n_train": 2, "n_eval": 2, **kwargs})
+
+
+def test_digits_range() -> None:
+    assert digits_range(1) == (0, 9) and digits_range(3) == (100, 999)
+    for bad in (0, 31):
+        with pytest.raises(ConfigError, match="digits"):
+            digits_range(bad)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 5535.", "5535"),
+        ("123*45 = 5535", "5535"),  # the last integer, not the first
+        ("5535", "5535"),
+        ("It is -18.", "-18"),
+        ("-7", "-7"),
+        ("12-30 is -18", "-18"),
+        ("5-3", "3"),  # a minus after a digit is an operator
+        ("007", "7"),
+        ("-0", "0"),
+        ("5535.0", "5535"),
+        ("about 2.5", None),
+        ("no numbers", None),
+        ("", None),
+    ],
+)
+def test_answer_from_text(text: str, expected: str | None) -> None:
+    assert answer_from_text(text) == expected
+
+
+def test_is_correct_and_score() -> None:
+    assert is_correct("The answer is 5535.", "5535") and score("so 5535", "5535") == 1.0
+    assert not is_correct("5535 or 5536", "5535") and score("5536", "5535") == 0.0
+    assert is_correct("-18", " -18 ") and is_correct("0018", "18")
+    assert not is_correct("nothing", "5535") and not is_correct(CALL, "5535")
+
+
+# --- the env ---------------------------------------------------------------------------------
+
+
+def run_episode(env: CalculatorEnv, contents: list[str]):
+    async def go():
+        opening = await env.reset(ROW)
+        return opening, [await env.step({"role": "assistant", "content": c}) for c in contents]
+
+    return asyncio.run(go())
+
+
+def test_env_tool_turn_then_final_answer() -> None:
+    env = CalculatorEnv()
+    assert isinstance(env, Env)
+    assert [t.name for t in env.tools] == ["calculator"]
+    opening, (call, final) = run_episode(env, [CALL, "The answer is 5535."])
+    assert opening == ROW["prompt"]
+    assert not call.done and call.reward == 0.0
+    assert [(m["role"], m["content"]) for m in call.messages] == [("tool", "5535")]
+    assert call.info["tool_calls"] == 1 and call.info["tool_errors"] == 0
+    assert final.done and final.reward == 1.0 and final.messages == ()
+    assert final.info == {"extracted": "5535"}
+
+
+def test_env_wrong_or_missing_final_answer() -> None:
+    _, (wrong,) = run_episode(CalculatorEnv(), ["The answer is 5536."])
+    assert wrong.done and wrong.reward == 0.0 and wrong.info["extracted"] == "5536"
+    _, (none,) = run_episode(CalculatorEnv(), ["I don't know."])
+    assert none.done and none.reward == 0.0 and none.info["extracted"] is None
+
+
+def test_env_malformed_calls_come_back_as_errors_and_the_episode_goes_on() -> None:
+    bad_json = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"</tool_call>'
+    unknown = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
+    bad_expr = tool_call_text("123*")
+    two = CALL + "\n" + tool_call_text("2**10")
+    _, steps = run_episode(CalculatorEnv(), [bad_json, unknown, bad_expr + two, "5535"])
+    for step in steps[:3]:
+        assert not step.done and step.reward == 0.0
+    assert steps[0].messages[0]["content"].startswith("error: could not parse the tool call")
+    assert steps[0].info["tool_error_kinds"] == {"bad_json": 1}
+    assert "unknown tool 'search'" in steps[1].messages[0]["content"]
+    assert [m["content"] for m in steps[2].messages][1:] == ["5535", "1024"]
+    assert steps[2].messages[0]["content"].startswith("error: tool 'calculator' raised ValueError")
+    assert steps[2].info["tool_calls"] == 3 and steps[2].info["tool_errors"] == 1
+    assert steps[2].info["tool_error_kinds"] == {"tool_raised": 1}
+    assert steps[3].done and steps[3].reward == 1.0
+
+    stats = ToolStats()
+    stats.record_episode(r for step in steps[:3] for r in step.info["tool_results"])
+    assert stats.metrics()["tools/calls"] == 5 and stats.metrics()["tools/error_rate"] == 3 / 5
+
+
+def test_env_needs_reset_and_an_answer() -> None:
+    env = CalculatorEnv()
+    with pytest.raises(RuntimeError, match="before reset"):
+        asyncio.run(env.step({"role": "assistant", "content": "1"}))
+    with pytest.raises(ConfigError, match='"answer"'):
+        asyncio.run(env.reset({"prompt": "What is 1*2?"}))
+    assert asyncio.run(env.reset({"prompt": "What is 1*2?", "answer": 2})) == [
+        {"role": "user", "content": "What is 1*2?"}
+    ]
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_data_calculator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "data"
+    args = ["data", "calculator", str(out), "--n-sft", "8", "--n-train", "9", "--n-eval", "5", "--seed", "2"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    for name, lines in (("sft", 8), ("prompts", 9), ("eval_prompts", 5)):
+        assert f"{out / name}.jsonl  ({lines} lines)" in printed
+        assert len(read(out / f"{name}.jsonl")) == lines
+    direct = write_calculator_data(tmp_path / "direct", seed=2, n_sft=8, n_train=9, n_eval=5)
+    assert direct["sft"].read_bytes() == (out / "sft.jsonl").read_bytes()
+
+    assert main(["data", "calculator", str(tmp_path / "d4"), "--left-digits", "4", "--n-eval", "3"]) == 0
+    first = read(tmp_path / "d4" / "eval_prompts.jsonl")[0]["prompt"][0]["content"]
+    assert 1000 <= problem_of(first)[0] <= 9999
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--n-eval", "0"], "n_eval must be >= 1"),
+        (["--ops", "/"], "unknown op"),
+        (["--left-digits", "0"], "digits must be in 1..30"),
+        (["--n-train", "many"], "Invalid value for '--n-train'"),
+    ],
+)
+def test_cli_data_calculator_bad_input_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data", "calculator", str(tmp_path / "x"), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
