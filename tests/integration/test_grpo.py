@@ -37,6 +37,21 @@ def _store(cfg):
     return open_store("embedded", path=cfg.storage.embedded.path)
 
 
+def assert_resume_matches(config, cfg, run_a, snaps):
+    """Resume from the mid-run snapshot through the CLI: same final weights, optimizer and rewards."""
+    out = _cli("train", "grpo", "--config", str(config), "--resume", snaps[N // 2].id[:10])
+    assert out.returncode == 0, out.stderr
+    run_b = out.stdout.split("run ", 1)[1].split()[0]
+    store = _store(cfg)
+    snaps_b = {s.step: s for s in store.list_snapshots(run_id=run_b, kind="train_state")}
+    rewards_a = [m.value for m in store.read_metrics(run_a, name="rollout/reward_mean") if m.step > N // 2]
+    rewards_b = [m.value for m in store.read_metrics(run_b, name="rollout/reward_mean")]
+    store.close()
+    assert snaps_b[N].manifest["blobs"]["model"]["digest"] == snaps[N].manifest["blobs"]["model"]["digest"]
+    assert snaps_b[N].manifest["blobs"]["optimizer"]["digest"] == snaps[N].manifest["blobs"]["optimizer"]["digest"]
+    assert rewards_a == rewards_b  # sampling resumed identically too
+
+
 @pytest.mark.parametrize("pipelined", [0, 1])
 def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     from rollout.algorithms.grpo import train_grpo
@@ -52,17 +67,7 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     assert sorted(snaps) == [N // 2, N]
     if not pipelined:  # on-policy first step: the ratio is exactly 1 and the KL to the identical reference 0
         assert first["train/ratio_max"] == 1.0 and first["train/ratio_mean"] == 1.0 and first["train/kl"] == 0.0
-    out = _cli("train", "grpo", "--config", str(config), "--resume", snaps[N // 2].id[:10])
-    assert out.returncode == 0, out.stderr
-    run_b = out.stdout.split("run ", 1)[1].split()[0]
-    store = _store(cfg)
-    snaps_b = {s.step: s for s in store.list_snapshots(run_id=run_b, kind="train_state")}
-    rewards_a = [m.value for m in store.read_metrics(full.run_id, name="rollout/reward_mean") if m.step > N // 2]
-    rewards_b = [m.value for m in store.read_metrics(run_b, name="rollout/reward_mean")]
-    store.close()
-    assert snaps_b[N].manifest["blobs"]["model"]["digest"] == snaps[N].manifest["blobs"]["model"]["digest"]
-    assert snaps_b[N].manifest["blobs"]["optimizer"]["digest"] == snaps[N].manifest["blobs"]["optimizer"]["digest"]
-    assert rewards_a == rewards_b  # sampling resumed identically too
+    assert_resume_matches(config, cfg, full.run_id, snaps)
 
 
 MULTI_TURN = {
@@ -97,17 +102,7 @@ def test_multi_turn_grpo_resume_is_bit_identical(workspace, tmp_path):
     store.close()
     assert turns == [3.0] * N  # every episode ran its three turns
     assert all(t > s for t, s in zip(tokens, sampled, strict=True))  # env tokens sit between the turns
-    out = _cli("train", "grpo", "--config", str(config), "--resume", snaps[N // 2].id[:10])
-    assert out.returncode == 0, out.stderr
-    run_b = out.stdout.split("run ", 1)[1].split()[0]
-    store = _store(cfg)
-    snaps_b = {s.step: s for s in store.list_snapshots(run_id=run_b, kind="train_state")}
-    rewards_a = [m.value for m in store.read_metrics(full.run_id, name="rollout/reward_mean") if m.step > N // 2]
-    rewards_b = [m.value for m in store.read_metrics(run_b, name="rollout/reward_mean")]
-    store.close()
-    assert snaps_b[N].manifest["blobs"]["model"]["digest"] == snaps[N].manifest["blobs"]["model"]["digest"]
-    assert snaps_b[N].manifest["blobs"]["optimizer"]["digest"] == snaps[N].manifest["blobs"]["optimizer"]["digest"]
-    assert rewards_a == rewards_b
+    assert_resume_matches(config, cfg, full.run_id, snaps)
 
 
 def test_failing_reward_function_drops_samples_and_the_run_goes_on(workspace, tmp_path):

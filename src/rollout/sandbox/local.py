@@ -10,6 +10,10 @@ Here, per run: a fresh `tempfile.mkdtemp` directory holds `work/` (the program's
 `main.py` and `files`) and `root/` (an empty mount point for the minimal root); it is removed
 when the run ends, however it ends. stdout and stderr are read concurrently and capped; past
 the cap the bytes are dropped and the supervisor is told (SIGUSR1) to kill the program.
+
+About 580 lines on purpose: the isolation layers are probed, combined and torn
+down in one place, so what a run was actually given (and what not) is decided by
+one reader-visible path; the code that runs inside the sandbox is `_supervisor.py`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ step once, inside a transaction that holds a lock (SQLite's write lock, or a
 PostgreSQL advisory lock) so two processes opening the same store is safe.
 
 Float metric values: SQLite stores NaN as NULL, so a NULL value reads back as NaN.
+
+About 670 lines on purpose: one implementation of the `Store` protocol for both
+databases (runs, events, metrics, snapshots, heartbeats), whose queries share the
+connection, retry and migration rules; the eval tables live in `sql_evals.py`.
 """
 
 from __future__ import annotations
