@@ -24,17 +24,31 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     create_model,
     field_serializer,
     field_validator,
     model_validator,
 )
 
-from rollout.algorithms.config import TrainCommon
+from rollout.algorithms.config import TrainCommon, _check_plugin_name
 from rollout.algorithms.registry import ALGORITHMS
 from rollout.config_base import ConfigPath, StrictModel, format_validation_errors
 from rollout.errors import ConfigError
+from rollout.eval.fields import (
+    EnvName,
+    EvalSeed,
+    MaxBatchSize,
+    MaxTokens,
+    MaxTurns,
+    SamplesPerPrompt,
+    StopStrings,
+    SuccessThreshold,
+    Temperature,
+    TopP,
+)
 from rollout.inference.config import InferenceConfig
+from rollout.rl.builtins import BUILTIN_ENVS
 
 SCHEMA_VERSION = 1
 
@@ -142,6 +156,35 @@ class DistributedConfig(StrictModel):
     kind: Literal["local"] = Field("local", description="local: one process.")
 
 
+class PeriodicEvalConfig(StrictModel):
+    """`[eval]`: evaluate the policy being trained every `every_steps` optimizer steps and after
+    the last one (`rollout.eval.during_training`), logging `eval/<metric>` at that step.
+
+    The sampling fields are `rollout eval`'s (`rollout.eval.fields`); there is no model to name:
+    it is the run's own. Every eval point samples with the same seeds, so two points differ only
+    by the weights.
+    """
+
+    every_steps: int = Field(ge=1, description="Evaluate every N optimizer steps (and after the last step).")
+    env: EnvName
+    data: ConfigPath = Field(description='JSONL of prompt rows {"prompt", ...fields the env reads}.')
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate the first N rows only (None: every row).")
+    n: SamplesPerPrompt = 4
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    max_tokens: MaxTokens = 256
+    stop: StopStrings = Field(default_factory=list)
+    max_turns: MaxTurns = 8
+    seed: EvalSeed = 0
+    success_threshold: SuccessThreshold = 1.0
+    max_batch_size: MaxBatchSize = 32
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, value: str) -> str:
+        return _check_plugin_name(value, tuple(BUILTIN_ENVS), "env")
+
+
 class RunConfig(StrictModel):
     """One training run."""
 
@@ -154,6 +197,11 @@ class RunConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     inference: InferenceConfig | None = Field(
         None, description="Generation engine and sampling (used by infer/serve, and by RL)."
+    )
+    eval: PeriodicEvalConfig | None = Field(
+        None,
+        description="Evaluate the policy during training (every algorithm whose model generates: not rm).",
+        exclude_if=lambda value: value is None,  # a config without [eval] keeps the digest it always had
     )
 
     @field_validator("algorithm", mode="before")
@@ -170,6 +218,18 @@ class RunConfig(StrictModel):
         if extra:
             raise ValueError(f'[algorithm.{extra[0]}] does not match kind = "{kind}"')
         return {k: v for k, v in value.items() if k == kind or k not in ALGORITHMS}  # drop explicit None blocks
+
+    @field_validator("eval")
+    @classmethod
+    def _policy_generates(cls, value: PeriodicEvalConfig | None, info: ValidationInfo) -> PeriodicEvalConfig | None:
+        algorithm = info.data.get("algorithm")  # absent when [algorithm] itself is invalid
+        if value is not None and algorithm is not None and not ALGORITHMS[algorithm.kind].generates:
+            runs = ", ".join(k for k, spec in ALGORITHMS.items() if spec.generates)
+            raise ValueError(
+                f"{algorithm.kind} trains a model that does not generate text, so [eval] can't run on it"
+                f" (it runs for {runs})"
+            )
+        return value
 
     @field_serializer("algorithm", mode="wrap")
     def _every_block_key(self, value: AlgorithmBlock, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

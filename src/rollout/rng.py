@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -67,3 +69,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(
                 [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
             )
+
+
+@contextmanager
+def rng_state_preserved() -> Iterator[None]:
+    """Leave python's, numpy's and torch's global RNGs (cuda's too) as they were before the block,
+    so work that may draw from them (an eval during training) can't change what training draws next."""
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)

@@ -5,6 +5,7 @@ save/restore points a training loop calls.
         prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
         loop = await restore_or_start(ctx, backend)      # LoopState of a fresh run or the resume snapshot
         ...                                              # the algorithm's own loop
+        await evaluate_if_due(ctx, loop.step, model, tokenizer)   # [eval], when the step is on its cadence
         await snapshot_backend(ctx, backend, step=loop.step, loop_state=loop.to_dict(), ...)
         return await finish_training(ctx, backend, model, tokenizer, loop, ...)
                                                          # status: succeeded, failed or cancelled
@@ -30,6 +31,7 @@ from rollout.checkpoint import LoopState, commit_train_state, read_train_state
 from rollout.config import RunConfig
 from rollout.data.loader import DataCursor
 from rollout.errors import AlgorithmError, ConfigError, RolloutError
+from rollout.eval.during_training import PeriodicEval, load_periodic_eval
 from rollout.export import export_model_dir
 from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
 from rollout.rng import seed_everything
@@ -56,6 +58,8 @@ class RunContext:
     snapshots: list[SnapshotRecord] = field(default_factory=list)
     keep_last: int | None = None
     """train_state snapshots of this run to keep (older unlabeled ones are pruned); None keeps all."""
+    evals: PeriodicEval | None = None
+    """The config's `[eval]`, run during training (`evaluate_if_due`); None without one."""
 
 
 def settings_for(cfg: RunConfig, settings: type[SettingsT]) -> SettingsT:
@@ -98,6 +102,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
             )
         # Read (and digest-verify) the state now: a corrupted snapshot fails before any run row exists.
         resume_state = read_train_state(objects, resume_from)
+    evals = load_periodic_eval(cfg.eval) if cfg.eval is not None else None  # a bad [eval] row: no stray run
     run = store.create_run(
         algorithm=cfg.algorithm.kind,
         config_digest=cfg.digest(),
@@ -111,7 +116,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     recorder = RunRecorder(store, run.id, run_dir / "events.jsonl")
     heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state,
-                     keep_last=cfg.algorithm.settings.snapshot.keep_last)
+                     keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals)
     store.set_run_status(run.id, "running")
     heartbeat.start()
     try:
@@ -229,15 +234,28 @@ async def restore_or_start(ctx: RunContext, backend: TrainingBackend[Any]) -> Lo
     )
 
 
+# --------------------------------------------------------------------------- eval during training
+
+
+async def evaluate_if_due(ctx: RunContext, step: int, model: Any, tokenizer: Any, *, final: bool = False) -> None:
+    """The config's `[eval]` on `model` as it is after optimizer step `step`, when that step is on
+    its cadence (or `final`); `eval/<metric>` metrics at `step` and an eval record of the run."""
+    if ctx.evals is not None:
+        await ctx.evals.maybe_run(
+            step, model, tokenizer, store=ctx.store, run_id=ctx.run.id, recorder=ctx.recorder, final=final
+        )
+
+
 async def finish_training(
     ctx: RunContext, backend: TrainingBackend[Any], model: Any, tokenizer: Any, loop: LoopState, *,
     export_dir: Path | None, static_blobs: Mapping[str, bytes], extra: Mapping[str, Any],
     metrics: Mapping[str, float],
 ) -> TrainResult:
-    """Final snapshot, optional HF export (of `model`, to `export_dir`), `train_end`."""
+    """Final snapshot, the final `[eval]`, optional HF export (of `model`, to `export_dir`), `train_end`."""
     final = await snapshot_backend(
         ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
     )
+    await evaluate_if_due(ctx, loop.step, model, tokenizer, final=True)
     if export_dir is not None:
         export_model_dir(model, tokenizer, export_dir)
         ctx.recorder.event("model_exported", dir=str(export_dir), snapshot_id=final)

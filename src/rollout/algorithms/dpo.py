@@ -38,6 +38,7 @@ from rollout.models.prefix import collate_shared_pairs, rows_logps
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
+    evaluate_if_due,
     finish_training,
     prepare_process,
     resolve_total_steps,
@@ -195,6 +196,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             rec.event("train_step", step=loop.step, loss=loss, margin=last["rewards/margins"],
                       accuracy=last["rewards/accuracy"], lr=result.lr, grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "margin": last["rewards/margins"]})
+            await evaluate_if_due(ctx, loop.step, model, tokenizer)
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra

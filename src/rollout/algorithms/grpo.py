@@ -8,6 +8,7 @@ Shao et al. (2024). Each step, top to bottom:
   advantage group-normalised rewards (`scale_rewards`)
   train     `num_iterations` optimizer steps of the clipped surrogate (+ k3 KL when beta > 0),
             with truncated importance sampling against the engine's log-probs
+            (after each: a config's `[eval]` on the trained policy, when due)
   sync      push the new weights to the engine
   snapshot  weights, optimizer, RNG, the manager's state and any batch generated ahead
 """
@@ -47,6 +48,7 @@ from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import RolloutManager
 from rollout.run import (
     RunContext,
+    evaluate_if_due,
     finish_training,
     prepare_process,
     restore_or_start,
@@ -207,6 +209,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     rec.event("train_step", step=loop.step, loss=last["train/loss"],
                               reward_mean=last.get("rollout/reward_mean"), lr=result.lr)
                     progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0)})
+                    await evaluate_if_due(ctx, loop.step, model, tokenizer)
                 version += 1
                 # ---- snapshot at batch boundaries
                 if snapshot_due(s.snapshot.every_steps, loop.step, total_steps, steps_taken=s.num_iterations):

@@ -37,6 +37,7 @@ from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
+    evaluate_if_due,
     finish_training,
     prepare_process,
     resolve_total_steps,
@@ -205,6 +206,7 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
             rec.event("train_step", step=loop.step, loss=loss, kl=last["train/kl"], lr=result.lr,
                       grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "kl": last["train/kl"]})
+            await evaluate_if_due(ctx, loop.step, model, tokenizer)
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra

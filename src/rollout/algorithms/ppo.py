@@ -10,6 +10,7 @@ Schulman et al. (2017); the RLHF form of Ziegler et al. (2019) / Ouyang et al.
   advantage per-token reward = −kl_coef·(log π − log π_ref), + score at the last token;
             GAE(γ, λ); whitening over the batch
   train     `num_iterations` optimizer steps of clipped policy + clipped value loss
+            (after each: a config's `[eval]` on the policy, when due)
   sync      push the policy's weights to the engine; snapshot
 The value model is the base model with a scalar head on every position (a
 `…ForSequenceClassification` whose score layer is applied per token); policy
@@ -51,6 +52,7 @@ from rollout.rl.manager import RolloutManager
 from rollout.rl.types import Sample
 from rollout.run import (
     RunContext,
+    evaluate_if_due,
     finish_training,
     prepare_process,
     restore_or_start,
@@ -240,6 +242,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                     rec.event("train_step", step=loop.step, loss=last["train/loss"],
                               reward_mean=last.get("rollout/reward_mean"), lr=result.lr)
                     progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0)})
+                    await evaluate_if_due(ctx, loop.step, policy, tokenizer)
                 version += 1
                 if snapshot_due(s.snapshot.every_steps, loop.step, total_steps, steps_taken=s.num_iterations):
                     await snapshot_rl(ctx, backend, source, loop, version, static_blobs, extra)

@@ -67,6 +67,8 @@ class AlgorithmSpec:
     """The `[backend] kind`s this algorithm runs on; another kind is refused before training."""
     distributed: tuple[str, ...] = ("local",)
     """The `[distributed] kind`s this algorithm runs under."""
+    generates: bool = True
+    """Its model samples text, so a run config's `[eval]` can evaluate it during training."""
 
     def load_train(self) -> TrainFn:
         """Import the recipe module and return its train function."""
@@ -79,7 +81,10 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.kind: spec
     for spec in (
         AlgorithmSpec("sft", SFTConfig, "sft", "rollout.algorithms.sft:train_sft", "Supervised fine-tuning."),
-        AlgorithmSpec("rm", RMConfig, "preference", "rollout.algorithms.rm:train_rm", "Bradley–Terry reward model."),
+        AlgorithmSpec(
+            "rm", RMConfig, "preference", "rollout.algorithms.rm:train_rm", "Bradley–Terry reward model.",
+            generates=False,
+        ),
         AlgorithmSpec(
             "dpo", DPOConfig, "preference", "rollout.algorithms.dpo:train_dpo",
             "Direct preference optimisation (loss_type sigmoid | ipo | hinge | robust).",

@@ -6,7 +6,7 @@
 The loop, top to bottom: load data → tokenize → plan micro-batches → load the
 model → (restore) → for each step: collate, forward/backward each micro-batch
 with the loss normalised by the step's target-token count, optimizer step,
-log, snapshot. Cross-entropy is computed only at target positions (hidden
+log, eval (a config's `[eval]`, when due), snapshot. Cross-entropy is computed only at target positions (hidden
 states are gathered before the LM head), which skips most of the vocabulary
 projection when the loss is on completions only.
 """
@@ -32,6 +32,7 @@ from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trai
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
+    evaluate_if_due,
     finish_training,
     prepare_process,
     resolve_total_steps,
@@ -155,6 +156,7 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
             rec.metrics(loop.step, last)
             rec.event("train_step", step=loop.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm)
             progress.update(loop.step, {"loss": loss, "tok/s": round(step_tokens / dt)})
+            await evaluate_if_due(ctx, loop.step, model, tokenizer)
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra

@@ -63,6 +63,19 @@ def check_plugins(cfg: RunConfig) -> None:
         resolve_env(env if isinstance(env, str) else env.name)
 
 
+def check_eval(cfg: RunConfig, *, source: Path) -> str:
+    """`[eval]`'s env resolves, its data exists, and every row it evaluates starts an episode."""
+    if cfg.eval is None:
+        return ""
+    if not cfg.eval.data.is_file():
+        raise located_error(source, ["eval", "data"], f"not found: {cfg.eval.data}")
+    # Imported here: the eval harness pulls in asyncio and the RL envs, which most configs never need.
+    from rollout.eval.during_training import load_periodic_eval
+
+    evals = load_periodic_eval(cfg.eval)
+    return f" eval={evals.data.path} prompts={len(evals.data.rows)} every_steps={evals.every_steps}"
+
+
 def validate(
     config: Path = typer.Option(..., "--config", "-c", help="Run config (TOML)."),
     no_data: bool = typer.Option(False, "--no-data", help="Skip scanning the dataset's lines."),
@@ -72,6 +85,8 @@ def validate(
     check_runtime(cfg, source=config)
     data = check_dataset(cfg, scan_lines=not no_data)
     check_plugins(cfg)
+    if not no_data:
+        data += check_eval(cfg, source=config)
     s = cfg.algorithm.settings
     typer.echo(f"config OK: algorithm={cfg.algorithm.kind} model={s.base_model.uri} {data}")
 

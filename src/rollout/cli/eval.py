@@ -343,6 +343,11 @@ def _resume(
                     f" ({heartbeat_timeout:g} s)"
                 ],
             )
+        if record.run_id is not None:  # its model was the live policy at that step: nothing to reload
+            raise ConfigError(
+                f"eval {record.id} ran during training run {record.run_id} (step {record.step}); it can't be resumed",
+                details=["evaluate a snapshot of the run instead: rollout eval --snapshot ID ..."],
+            )
         recorded = EvalConfig.model_validate_json(record.config_json).model_dump()
         recorded.update(
             {key: Path(given[key]).expanduser().resolve() for key in ("data", "output") if key in given}

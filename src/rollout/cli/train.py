@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from rollout.algorithms.registry import ALGORITHMS
-from rollout.cli.config_cmds import check_dataset, check_model_path, check_plugins, check_runtime
+from rollout.cli.config_cmds import check_dataset, check_eval, check_model_path, check_plugins, check_runtime
 from rollout.config import load_config
 from rollout.errors import ConfigError
 
@@ -36,6 +36,7 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_dataset(cfg, scan_lines=True)
     check_model_path(cfg)
     check_plugins(cfg)
+    check_eval(cfg, source=config)
     train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))

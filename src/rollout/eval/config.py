@@ -13,14 +13,13 @@
 every `rollout eval` flag overrides the field of the same name (`--top-p` sets
 `top_p`). Relative paths resolve against the config file's folder. No torch here.
 
-A training config will carry the same model as `RunConfig.eval` (periodic evals
-during training; the model to evaluate is then the policy being trained, so the
-target fields stay empty there).
+A training config's `[eval]` (`rollout.config.PeriodicEvalConfig`, run by
+`eval/during_training.py`) shares the sampling fields (`eval/fields.py`); the model
+it evaluates is the policy being trained, so it has no target fields.
 """
 
 from __future__ import annotations
 
-import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +38,18 @@ from pydantic import (
 from rollout.config import StorageConfig
 from rollout.config_base import format_validation_errors
 from rollout.errors import ConfigError
+from rollout.eval.fields import (
+    EnvName,
+    EvalSeed,
+    MaxBatchSize,
+    MaxTokens,
+    MaxTurns,
+    SamplesPerPrompt,
+    StopStrings,
+    SuccessThreshold,
+    Temperature,
+    TopP,
+)
 
 TARGET_FIELDS = ("model", "snapshot", "base_url")
 
@@ -49,7 +60,7 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     name: str | None = Field(None, max_length=200, description="Free-form label shown by `eval list`.")
-    env: str = Field(min_length=1, description="Built-in env (arithmetic, math) or a 'module:attr' factory.")
+    env: EnvName
     data: Path | None = Field(
         None,
         description='JSONL of prompt rows {"prompt", ...fields the env reads}; required unless the env'
@@ -69,23 +80,21 @@ class EvalConfig(BaseModel):
     served_model: str | None = Field(
         None, min_length=1, description="Model name at base_url; default: the first one it lists."
     )
-    n: int = Field(1, ge=1, le=100_000, description="Samples per prompt.")
-    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass kept.")
-    max_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens per assistant turn.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (cut from the text).")
-    max_turns: int = Field(
-        8, ge=1, le=10_000, description="Most assistant turns per episode (multi-turn envs)."
-    )
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Sample j of prompt i uses seed derive(seed, i, j).")
-    success_threshold: float = Field(1.0, description="A sample succeeds when its reward is >= this.")
+    n: SamplesPerPrompt = 1
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    max_tokens: MaxTokens = 256
+    stop: StopStrings = Field(default_factory=list)
+    max_turns: MaxTurns = 8
+    seed: EvalSeed = 0
+    success_threshold: SuccessThreshold = 1.0
     k: list[int] | None = Field(
         None, min_length=1, description="The k of pass@k / pass^k / maj@k / avg@k; default 1, 2, 4, ... <= n."
     )
     output: Path | None = Field(None, description="Also write one JSON line per sample here.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="hf: weights dtype.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hf: where the model runs.")
-    max_batch_size: int = Field(32, ge=1, le=4096, description="hf: sequences decoded together.")
+    max_batch_size: MaxBatchSize = 32
     threads: int | None = Field(None, ge=1, le=1024, description="hf on CPU: torch intra-op threads.")
     max_concurrency: int = Field(16, ge=1, le=1024, description="Endpoint: requests in flight.")
     request_timeout_s: float = Field(120.0, gt=0, le=86_400, description="Endpoint: per-request timeout.")
@@ -116,20 +125,6 @@ class EvalConfig(BaseModel):
         if base is not None and not path.is_absolute():
             path = (Path(base) / path).resolve()
         return str(path)
-
-    @field_validator("success_threshold")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty(cls, value: list[str]) -> list[str]:
-        if any(not s for s in value):
-            raise ValueError("stop strings must be non-empty")
-        return value
 
     @field_validator("k")
     @classmethod
