@@ -58,10 +58,10 @@ _PREF = {
     '"../local/models/sft-tiny"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 4",
     "gradient_accumulation = 1": "gradient_accumulation = 2",
-    "max_steps = 300": f"max_steps = {N}",
-    "every_steps = 150": f"every_steps = {N // 2}",
     "keep_last = 3": "keep_last = 10",
 }
+_DPO = {**_PREF, "max_steps = 300": f"max_steps = {N}", "every_steps = 150": f"every_steps = {N // 2}"}
+_KTO = {**_PREF, "max_steps = 150": f"max_steps = {N}", "every_steps = 75": f"every_steps = {N // 2}"}
 
 
 CASES = {
@@ -90,9 +90,9 @@ CASES = {
         "keep_last = 3": "keep_last = 10",
         "warmup_steps = 20": "warmup_steps = 2",
     }),
-    "dpo-frozen-ref": ("dpo-tiny.toml", _PREF),
-    "dpo-precomputed-ref": ("dpo-tiny.toml", {**_PREF, "precompute = false": "precompute = true"}),
-    "kto": ("kto-tiny.toml", _PREF),
+    "dpo-frozen-ref": ("dpo-tiny.toml", _DPO),
+    "dpo-precomputed-ref": ("dpo-tiny.toml", {**_DPO, "precompute = false": "precompute = true"}),
+    "kto": ("kto-tiny.toml", _KTO),
 }
 
 
