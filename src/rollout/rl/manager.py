@@ -230,14 +230,7 @@ class RolloutManager:
             _make_sample(self.rows[i], i, gid, c, reward, parts, failure, policy_version)
             for (i, gid, c), reward, parts, failure in zip(flat, rewards, components, failures, strict=True)
         ]
-        dropped = Counter(s.drop_reason for s in samples if not s.ok)
-        if dropped:
-            count = sum(dropped.values())
-            stats.samples_dropped += count
-            self._emit(
-                "samples_dropped",
-                {"count": count, "reasons": dict(dropped), "policy_version": policy_version},
-            )
+        self._count_dropped(samples, policy_version, stats)
         groups: dict[int, list[Sample]] = {}
         for sample in samples:
             groups.setdefault(sample.group_id, []).append(sample)
@@ -263,15 +256,19 @@ class RolloutManager:
             for i, group in zip(indices, episodes, strict=True)
         ]
         stats.tokens += sum(sum(s.loss_mask) for g in groups for s in g)
-        dropped = Counter(s.drop_reason for g in groups for s in g if not s.ok)
-        if dropped:
-            count = sum(dropped.values())
-            stats.samples_dropped += count
-            self._emit("samples_dropped", {"count": count, "reasons": dict(dropped), "policy_version": policy_version})
+        self._count_dropped([s for g in groups for s in g], policy_version, stats)
         errors = sum(bool(s.episode.get("env_error")) for g in groups for s in g)
         if errors:
             self._emit("env_errors", {"count": errors, "policy_version": policy_version})
         return groups
+
+    def _count_dropped(self, samples: Sequence[Sample], policy_version: int, stats: _CallStats) -> None:
+        """Count a round's dropped samples and report them (one `samples_dropped` event with the reasons)."""
+        dropped = Counter(s.drop_reason for s in samples if not s.ok)
+        if dropped:
+            count = sum(dropped.values())
+            stats.samples_dropped += count
+            self._emit("samples_dropped", {"count": count, "reasons": dict(dropped), "policy_version": policy_version})
 
     # ------------------------------------------------------------------------ reporting
 
