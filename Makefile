@@ -22,17 +22,34 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install-bench: install
 	$(PIP_INSTALL) -e '.[torch,bench]'
 
+# The report is `rollout eval`: every eval is stored (rollout eval list/show/compare) and the
+# last two commands print the GRPO gain on the arithmetic set and one table of every eval.
+EVAL := $(ROLLOUT) eval --storage-path local/rollout.db --object-path local/object-store --seed 0
+ARITH := --env arithmetic --data local/data/arithmetic/eval_prompts.jsonl --max-tokens 6
+CALC := --env calculator --data local/data/calculator/eval_prompts.jsonl --max-turns 3 --max-tokens 48 --temperature 0
+
 demo: install
 	$(ROLLOUT) model init-tiny local/models/tiny --force
 	$(ROLLOUT) data arithmetic local/data/arithmetic
+	$(ROLLOUT) data calculator local/data/calculator
 	$(ROLLOUT) train sft --config examples/sft-tiny.toml
 	$(ROLLOUT) train rm --config examples/rm-tiny.toml
 	$(ROLLOUT) train sft --config examples/sft-warmup.toml
 	$(ROLLOUT) train grpo --config examples/grpo-tiny.toml
-	$(BIN)/python examples/report.py --data local/data/arithmetic --sft local/models/sft-tiny --rm local/models/rm-tiny \
-	    --rl local/models/sft-warmup local/models/grpo-tiny
+	$(ROLLOUT) train sft --config examples/tools-sft-tiny.toml
+	$(ROLLOUT) train grpo --config examples/tools-grpo-tiny.toml
+	$(EVAL) $(ARITH) --temperature 0 --model local/models/tiny --name "arithmetic: tiny, untrained" >/dev/null
+	$(EVAL) $(ARITH) --temperature 0 --model local/models/sft-tiny --name "arithmetic: sft-tiny" >/dev/null
+	$(EVAL) $(ARITH) --n 8 --model local/models/sft-warmup --name "arithmetic: sft-warmup (grpo start)" >/dev/null
+	$(EVAL) $(ARITH) --n 8 --model local/models/grpo-tiny --name "arithmetic: grpo-tiny" >/dev/null
+	$(EVAL) $(CALC) --model local/models/sft-tiny --name "calculator: sft-tiny (no tool traces)" >/dev/null
+	$(EVAL) $(CALC) --model local/models/tools-sft-tiny --name "calculator: tools-sft-tiny" >/dev/null
+	$(EVAL) $(CALC) --model local/models/tools-grpo-tiny --name "calculator: tools-grpo-tiny" >/dev/null
+	$(ROLLOUT) eval compare "arithmetic: sft-warmup (grpo start)" "arithmetic: grpo-tiny" --table --storage-path local/rollout.db
+	$(ROLLOUT) eval list --table --limit 7 --storage-path local/rollout.db
+	@echo "rm:      held-out pair accuracy is eval/pair_accuracy of the rm run (printed above when it ended)"
 	@echo "runs:    $(ROLLOUT) runs list --storage-path local/rollout.db"
-	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/sft-tiny, models/rm-tiny, models/grpo-tiny)"
+	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/*)"
 
 # Two workers (one torch thread each), whole files per worker so a module's fixtures are built once.
 test: install

@@ -13,7 +13,9 @@ This module imports neither torch nor transformers: `rollout validate` and
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +51,7 @@ from rollout.eval.fields import (
 )
 from rollout.inference.config import InferenceConfig
 from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.store.objects import parse_bucket_url
 
 SCHEMA_VERSION = 1
 
@@ -69,10 +72,65 @@ class PostgresStorageConfig(StrictModel):
 
 
 class ObjectStorageConfig(StrictModel):
-    """Where snapshot bytes live: a content-addressed blob store."""
+    """Where snapshot bytes live: a content-addressed blob store, a local folder (`fs`) or a bucket
+    (`s3`, `gcs`).
 
-    backend: Literal["fs"] = Field("fs", description="fs (s3 and gcs are planned).")
-    path: ConfigPath = Field(Path("./object-store"), description="Root folder of the fs object store.")
+    Credentials come only from the provider's usual chain, never from this file:
+    s3 from AWS's (`AWS_*` environment variables, `~/.aws` files, an instance
+    role; the default region too), gcs from Google's (`GOOGLE_APPLICATION_CREDENTIALS`,
+    gcloud's application-default login, the metadata server).
+    """
+
+    backend: Literal["fs", "s3", "gcs"] = Field(
+        "fs", description="fs: a local folder (path); s3 / gcs: a bucket (url)."
+    )
+    path: ConfigPath = Field(
+        Path("./object-store"),
+        description="fs: the store's root folder. s3/gcs: the local staging folder a run writes snapshot blobs "
+        "to before they are uploaded in the background.",
+    )
+    url: str | None = Field(
+        None, description='s3: "s3://bucket/prefix"; gcs: "gs://bucket/prefix" (blobs at prefix/ab/cd/<blake3 digest>).'
+    )
+    endpoint_url: str | None = Field(
+        None, description="s3/gcs: another endpoint (MinIO, an emulator), http(s)://host[:port]; default: the cloud's."
+    )
+    region: str | None = Field(
+        None, pattern=r"^[a-z0-9-]+$", description="s3: the bucket's region; default: the AWS config chain."
+    )
+    max_attempts: int = Field(
+        5, ge=1, le=20,
+        description="s3: attempts per request (transient errors retried with exponential backoff); gcs: gcsfs's own 6.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url_names_a_bucket(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_bucket_url(value)  # its ValueError says what is wrong
+        return value
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", value):
+            raise ValueError(f"must be an http:// or https:// URL (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _url_matches_backend(self) -> ObjectStorageConfig:
+        if self.backend == "fs":
+            extra = [name for name in ("url", "endpoint_url", "region") if getattr(self, name) is not None]
+            if extra:
+                raise ValueError(f'{", ".join(extra)}: only for backend = "s3" or "gcs" (fs uses path)')
+        elif self.backend == "gcs" and self.region is not None:
+            raise ValueError('region: only for backend = "s3" (a gcs bucket has its location)')
+        elif self.url is None:
+            scheme = "s3" if self.backend == "s3" else "gs"
+            raise ValueError(f'backend = "{self.backend}" needs url = "{scheme}://bucket/prefix"')
+        elif parse_bucket_url(self.url).backend != self.backend:
+            raise ValueError(f'url {self.url!r} does not match backend = "{self.backend}"')
+        return self
 
 
 class StorageConfig(StrictModel):
@@ -185,6 +243,86 @@ class PeriodicEvalConfig(StrictModel):
         return _check_plugin_name(value, tuple(BUILTIN_ENVS), "env")
 
 
+# --------------------------------------------------------------------------- [observe]
+
+TRACKERS_EXTRA = "pip install 'rollout[trackers]'"
+
+
+def _require_module(module: str) -> None:
+    """Refuse a tracker whose client is not installed, at validate time (`find_spec` imports nothing)."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"the {module} package is not installed: {TRACKERS_EXTRA}")
+
+
+class WandbConfig(StrictModel):
+    """`[observe.wandb]`: a Weights & Biases run whose id is the rollout run id."""
+
+    project: str = Field("rollout", min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, min_length=1, description="W&B team or user (default: the logged-in one).")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files under `dir` only (upload later with `wandb sync`); online: stream."
+    )
+    dir: ConfigPath | None = Field(None, description="Folder W&B writes its `wandb/` folder in; default: the run's folder.")
+
+
+class MlflowConfig(StrictModel):
+    """`[observe.mlflow]`: an MLflow run named after the rollout run id."""
+
+    tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="http(s)://…, sqlite:///…, file:… or a folder (a file store); default: `mlruns/` in the runs folder.",
+    )
+    experiment: str = Field("rollout", min_length=1, max_length=500, description="Experiment (created if missing).")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _folder_to_file_uri(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A value without a scheme is a folder, resolved like every config path."""
+        if value is None or ":" in value:
+            return value
+        path = Path(value).expanduser()
+        base = (info.context or {}).get("base_dir")
+        if base is not None and not path.is_absolute():
+            path = Path(base) / path
+        return path.resolve().as_uri()
+
+
+class ObserveConfig(StrictModel):
+    """`[observe]`: trackers that get every metric (at the store's step numbers) and the resolved
+    config, besides the store and `events.jsonl` (`rollout.observe_trackers`). All off by default;
+    each needs the `trackers` extra. A tracker that fails during a run is reported once on stderr
+    and dropped: training goes on and the store still has everything."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to `<run folder>/tensorboard/`.")
+    wandb: WandbConfig | None = Field(None, description="Mirror to a Weights & Biases run.")
+    mlflow: MlflowConfig | None = Field(None, description="Mirror to an MLflow run.")
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        if value:
+            _require_module("tensorboard")
+        return value
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, value: WandbConfig | None) -> WandbConfig | None:
+        if value is not None:
+            _require_module("wandb")
+        return value
+
+    @field_validator("mlflow")
+    @classmethod
+    def _mlflow_installed(cls, value: MlflowConfig | None) -> MlflowConfig | None:
+        if value is not None:
+            _require_module("mlflow")
+        return value
+
+    def enabled(self) -> bool:
+        return self.tensorboard or self.wandb is not None or self.mlflow is not None
+
+
 class RunConfig(StrictModel):
     """One training run."""
 
@@ -202,6 +340,11 @@ class RunConfig(StrictModel):
         None,
         description="Evaluate the policy during training (every algorithm whose model generates: not rm).",
         exclude_if=lambda value: value is None,  # a config without [eval] keeps the digest it always had
+    )
+    observe: ObserveConfig = Field(
+        default_factory=ObserveConfig,
+        description="Trackers (TensorBoard, W&B, MLflow) that mirror the run's metrics and config.",
+        exclude_if=lambda value: not value.enabled(),  # a config without [observe] keeps the digest it always had
     )
 
     @field_validator("algorithm", mode="before")

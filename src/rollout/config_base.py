@@ -106,6 +106,8 @@ def _locator_keys(loc: Sequence[int | str], data: Any) -> list[str]:
                 keys.append(str(part))
                 node = node[part]
                 continue
+            if "kind" not in node and not is_last and loc[i + 1] in node:
+                continue  # the tag of a union member picked by default (a block without `kind`)
             if is_last or not isinstance(part, str) or _is_union_tag(node, part):
                 if not _is_union_tag(node, part):
                     keys.append(str(part))

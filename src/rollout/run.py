@@ -34,11 +34,13 @@ from rollout.errors import AlgorithmError, ConfigError, RolloutError
 from rollout.eval.during_training import PeriodicEval, load_periodic_eval
 from rollout.export import export_model_dir
 from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
+from rollout.observe_trackers import open_tracker_sinks
 from rollout.rng import seed_everything
 from rollout.snapshots import prune_snapshots
 from rollout.store import open_object_store, open_store
 from rollout.store.base import RunRecord, RunStatus, SnapshotRecord, Store
 from rollout.store.objects import ObjectStore
+from rollout.store.write_behind import finish_uploads
 
 SettingsT = TypeVar("SettingsT", bound=TrainCommon)
 
@@ -78,7 +80,12 @@ def open_stores(cfg: RunConfig) -> tuple[Store, ObjectStore]:
         path=st.embedded.path if st.backend == "embedded" else None,
         dsn=st.postgres.dsn if st.postgres is not None else None,
     )
-    return store, open_object_store(st.objects.backend, path=st.objects.path)
+    o = st.objects  # s3/gcs: puts are staged under o.path and uploaded in the background (write_behind)
+    objects = open_object_store(
+        o.backend, path=o.path, url=o.url, endpoint_url=o.endpoint_url, region=o.region,
+        max_attempts=o.max_attempts, write_behind=True,
+    )
+    return store, objects
 
 
 @contextmanager
@@ -113,7 +120,11 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     run_dir = cfg.storage.resolved_runs_dir() / run.id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
-    recorder = RunRecorder(store, run.id, run_dir / "events.jsonl")
+    trackers = open_tracker_sinks(  # [observe]: TensorBoard, W&B, MLflow mirror the metrics and config
+        cfg.observe, run_id=run.id, run_name=cfg.name, algorithm=cfg.algorithm.kind, run_dir=run_dir,
+        runs_dir=cfg.storage.resolved_runs_dir(), config=cfg.model_dump(mode="json"),
+    )
+    recorder = RunRecorder(store, run.id, run_dir / "events.jsonl", sinks=trackers)
     heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state,
                      keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals)
@@ -121,6 +132,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     heartbeat.start()
     try:
         yield ctx
+        finish_uploads(ctx.objects)  # s3/gcs: the last snapshot rows land before the run counts as succeeded
     except KeyboardInterrupt:
         _end(ctx, heartbeat, "cancelled", "interrupted")
         raise
@@ -139,8 +151,11 @@ def _end(ctx: RunContext, heartbeat: Heartbeat, status: RunStatus, error: str | 
         ctx.recorder.close()
     finally:
         heartbeat.stop()  # after the recorder's last flush, before the final status
-        ctx.store.set_run_status(ctx.run.id, status, error=error)
-        ctx.store.close()
+        try:
+            finish_uploads(ctx.objects)  # a failed run's snapshots already uploading still land (no-op if done)
+        finally:
+            ctx.store.set_run_status(ctx.run.id, status, error=error)
+            ctx.store.close()
 
 
 def prepare_process(*, seed: int, num_threads: int | None) -> None:

@@ -3,7 +3,10 @@
 A snapshot's id is the blake3 hex digest of its canonical manifest, so equal
 content gives an equal id. `commit_snapshot` puts every blob before it writes
 the row: a crash in between leaves unreferenced blobs (which `collect_garbage`
-removes), never a row that points at missing bytes.
+removes), never a row that points at missing bytes. With a write-behind store
+(s3/gcs during a run) the puts return once the blobs are staged locally, and the
+row is written by the store's upload thread once they are all in the bucket:
+the training loop does not wait for the upload.
 
 What goes into the blobs is the caller's business (safetensors for tensors,
 JSON for everything else: never pickle); this module only moves bytes.
@@ -22,6 +25,7 @@ import blake3
 from rollout.errors import StorageError
 from rollout.store.base import SnapshotRecord, Store
 from rollout.store.objects import ObjectStore
+from rollout.store.write_behind import WriteBehindObjectStore
 
 MANIFEST_FORMAT = 1
 SNAPSHOT_KINDS: frozenset[str] = frozenset({"train_state", "buffer", "episodic_memory", "process"})
@@ -60,7 +64,10 @@ def commit_snapshot(
     parent_id: str | None = None,
     metadata: Mapping | None = None,
 ) -> SnapshotRecord:
-    """Store `blobs`, then record the snapshot; returns the stored record (idempotent for equal content)."""
+    """Store `blobs`, then record the snapshot; returns the stored record (idempotent for equal content).
+
+    With a `WriteBehindObjectStore` the row is written later, by its upload thread, once every blob is
+    in the bucket; the record returned is the one that row will hold."""
     if kind not in SNAPSHOT_KINDS:
         raise StorageError(f"unknown snapshot kind {kind!r}; expected one of {sorted(SNAPSHOT_KINDS)}")
     entries = {name: _put_blob(objects, name, blob) for name, blob in sorted(blobs.items())}
@@ -91,6 +98,10 @@ def commit_snapshot(
         manifest=json.loads(encoded),  # exactly what the store keeps (tuples become lists, ...)
         metadata=dict(metadata or {}),
     )
+    if isinstance(objects, WriteBehindObjectStore):
+        digests = [entry["digest"] for entry in entries.values()]
+        objects.commit_when_durable(digests, lambda: store.add_snapshot(record))
+        return record
     store.add_snapshot(record)
     return store.get_snapshot(record.id)
 
@@ -128,7 +139,7 @@ def collect_garbage(store: Store, objects: ObjectStore) -> int:
     """Delete every blob no snapshot manifest references; returns how many went.
 
     Don't run it while another process is committing a snapshot: that commit's
-    blobs are unreferenced until its row is written.
+    blobs are unreferenced until its row is written (with s3/gcs, until its upload ends).
     """
     referenced = {
         entry["digest"]

@@ -16,6 +16,8 @@ from rollout.errors import DataError
 USER = {"role": "user", "content": "hi"}
 ASSISTANT = {"role": "assistant", "content": "hello"}
 
+NO_IMPLICIT_PROMPT = 'no "prompt" field, and chosen and rejected share no prefix to take it from (the implicit prompt)'
+
 
 def first_error(path: Path, kind: str) -> str:
     with pytest.raises(DataError) as info:
@@ -72,7 +74,7 @@ def first_error(path: Path, kind: str) -> str:
         ("sft", {"text": 5}, 'field "text" must be a string, got number'),
         ("sft", {"text": ""}, 'field "text" must not be empty'),
         ("preference", {"prompt": "p", "rejected": "r"}, 'missing field "chosen"'),
-        ("preference", {"chosen": "c", "rejected": "r"}, 'missing field "prompt"'),
+        ("preference", {"chosen": "c", "rejected": "r"}, NO_IMPLICIT_PROMPT),
         ("preference", {"prompt": "p", "chosen": "c"}, 'missing field "rejected"'),
         (
             "preference",

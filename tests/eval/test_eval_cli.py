@@ -173,6 +173,32 @@ def test_model_in_process_and_served_endpoint_agree_at_temperature_0(
     assert json.loads(summary)["metrics"] == local_out["metrics"]
 
 
+def test_tool_env_in_process_and_served_render_the_same_tools(
+    workspace: Path, served: Server, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """The calculator env offers its tool: the served chat template must render it as the hf engine does."""
+    from transformers import AutoTokenizer
+
+    from rollout.tasks.calculator import calculator_tool, write_calculator_data
+
+    monkeypatch.chdir(workspace)
+    files = write_calculator_data(workspace / "calc", n_sft=1, n_train=1, n_eval=4)
+    common = ["eval", "--env", "calculator", "--data", str(files["eval_prompts"]), "--temperature", "0",
+              "--max-tokens", "8", "--max-turns", "3", "--json", "--storage-path", "rollout.db"]  # fmt: skip
+    code, out, err = run_main(capsys, *common, "--model", "tiny", "--output", "calc-hf.jsonl", "--threads", "1")
+    assert code == 0, err
+    code, out2, err = run_main(capsys, *common, "--base-url", served.url, "--output", "calc-served.jsonl")
+    assert code == 0, err
+    hf_rows, served_rows = read_rows(workspace / "calc-hf.jsonl"), read_rows(workspace / "calc-served.jsonl")
+    assert comparable(hf_rows) == comparable(served_rows) and json.loads(out)["metrics"] == json.loads(out2)["metrics"]
+    tok = AutoTokenizer.from_pretrained(workspace / "tiny")
+    first = [hf_rows[0]["messages"][0]]
+    with_tools = tok.apply_chat_template(first, tools=[calculator_tool().openai_schema()], add_generation_prompt=True)
+    without = tok.apply_chat_template(first, add_generation_prompt=True)
+    ids = lambda r: r["input_ids"] if hasattr(r, "keys") else r  # noqa: E731
+    assert served_rows[0]["prompt_tokens"] == len(ids(with_tools)) > len(ids(without))
+
+
 def test_sigkill_mid_eval_then_resume_gives_the_uninterrupted_rows_and_metrics(
     workspace: Path, served: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
@@ -301,6 +327,16 @@ def test_list_show_and_compare_as_json(
     assert pass1["paired_delta"] == pytest.approx(pass1["delta"]) and pass1["ci_low"] <= pass1["ci_high"]
     assert compared["metrics"]["mean_turns"]["ci_low"] is None  # a usage metric: delta only
     assert set(compared["flipped"]) >= {"improved", "regressed", "newly_solved", "no_longer_solved"}
+
+    by_name = json.loads(run_main(capsys, "eval", "compare", "baseline", "candidate", "--json")[1])
+    assert by_name == compared  # names pick the newest eval with that name
+
+    code, out, _ = run_main(capsys, "eval", "list", "--table")  # a table although stdout is not a terminal
+    assert code == 0 and "candidate" in out and "baseline" in out and not out.lstrip().startswith("[")
+    code, _, err = run_main(capsys, "eval", "compare", "baseline", "candidate", "--table")
+    assert code == 0
+    code, _, err = run_main(capsys, "eval", "list", "--table", "--json")
+    assert code == 2 and "error: --json and --table exclude each other" in err
 
 
 def test_list_show_compare_and_eval_tables_on_a_terminal(two_evals: tuple[Path, str, str]) -> None:

@@ -74,8 +74,14 @@ def _bad_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
         "logprobs": ["true", 1, []],
         "top_logprobs": [-1, 21, "2", 5.5],
         "max_completion_tokens": [0, "5", 10**6],
-        "tools": [[{"type": "function", "function": {"name": "f"}}], "x"],
-        "tool_choice": ["auto", 5],
+        "tools": [
+            "x",
+            [5],
+            [{"type": "retrieval"}],
+            [{"type": "function", "function": {}}],
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+        ],
+        "tool_choice": ["required", 5, {"type": "function", "function": {"name": "f"}}],
         "response_format": [{"type": "json_object"}, "x"],
     }
     text_only = {

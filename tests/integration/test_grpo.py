@@ -76,7 +76,7 @@ MULTI_TURN = {
     'name = "calculator"': 'name = "rl_plugins:ThreeTurnEnv"',
     "minibatch_size = 8 ": "minibatch_size = 3 ",
     "num_generations = 8": "num_generations = 4",
-    "max_tokens = 80 ": "max_tokens = 4 ",
+    "max_tokens = 40 ": "max_tokens = 4 ",
     "max_episode_tokens = 192": "max_episode_tokens = 64",
     "max_steps = 40": f"max_steps = {N}",
     "every_steps = 20": f"every_steps = {N // 2}",
@@ -102,6 +102,28 @@ def test_multi_turn_grpo_resume_is_bit_identical(workspace, tmp_path):
     store.close()
     assert turns == [3.0] * N  # every episode ran its three turns
     assert all(t > s for t, s in zip(tokens, sampled, strict=True))  # env tokens sit between the turns
+    assert_resume_matches(config, cfg, full.run_id, snaps)
+
+
+def test_guess_number_resume_with_episodes_in_flight_is_bit_identical(workspace, tmp_path):
+    """The guess_number game (the secret comes from the row) with `off_policy_steps = 1`: the next
+    step's episodes are played while a step trains, so a snapshot holds a batch of finished games
+    in flight; the resumed run replays nothing and ends with the uninterrupted run's weights."""
+    from rollout.algorithms.grpo import train_grpo
+    from rollout.tasks.guess_number import write_guess_number_data
+
+    files = write_guess_number_data(tmp_path / "guess", n=8, n_train=32, n_eval=4, n_sft=1)
+    replace = {**MULTI_TURN, 'name = "calculator"': 'name = "guess_number"',
+               '"../local/data/calculator/prompts.jsonl"': f'"{files["prompts"]}"',
+               "off_policy_steps = 0": "off_policy_steps = 1"}  # fmt: skip
+    config = example_config("tools-grpo-tiny.toml", workspace, tmp_path, replace)
+    cfg = load_config(config)
+    full = train_grpo(cfg)
+    store = _store(cfg)
+    snaps = {s.step: s for s in store.list_snapshots(run_id=full.run_id, kind="train_state")}
+    turns = [m.value for m in store.read_metrics(full.run_id, name="episode/turns_mean")]
+    store.close()
+    assert len(turns) == N and all(1.0 <= t <= 3.0 for t in turns)
     assert_resume_matches(config, cfg, full.run_id, snaps)
 
 

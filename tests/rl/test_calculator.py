@@ -14,8 +14,9 @@ import pytest
 from rollout.cli.main import main
 from rollout.data.jsonl import check_line
 from rollout.errors import ConfigError
+from rollout.rl.calc import calculator
 from rollout.rl.calculator_env import CalculatorEnv, score
-from rollout.rl.tools import ToolCall, ToolStats, calculator, parse_tool_calls
+from rollout.rl.tools import ToolCall, ToolStats, parse_tool_calls
 from rollout.rl.types import Env
 from rollout.tasks.arithmetic import Problem
 from rollout.tasks.calculator import (

@@ -107,11 +107,11 @@ def test_resolve_env() -> None:
     assert resolve_env("arithmetic") is ArithmeticEnv
     assert resolve_env("math") is MathAnswerEnv
     assert resolve_env("calculator") is CalculatorEnv
-    assert set(BUILTIN_ENVS) == {"arithmetic", "math", "calculator"}
+    assert set(BUILTIN_ENVS) == {"arithmetic", "math", "calculator", "python_code", "guess_number"}
     two_turn = resolve_env("rl_helpers:TwoTurnEnv")
     assert isinstance(two_turn(), Env)
     with pytest.raises(
-        ConfigError, match=r"unknown env 'chess': expected a built-in env \(arithmetic, calculator, math\)"
+        ConfigError, match=r"unknown env 'chess': expected a built-in env \(arithmetic, calculator, guess_number, math, python_code\)"
     ):
         resolve_env("chess")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz' for env"):

@@ -11,15 +11,15 @@ from typing import Annotated, Literal, Optional
 import pytest
 
 from rollout.errors import ConfigError
+from rollout.rl.builtins import BUILTIN_TOOLS
+from rollout.rl.calc import calculator
 from rollout.rl.tools import (
-    BUILTIN_TOOLS,
     ParsedToolCalls,
     Tool,
     ToolCall,
     ToolCallError,
     ToolResult,
     ToolStats,
-    calculator,
     check_arguments,
     execute_tool_calls,
     parse_tool_calls,
@@ -272,7 +272,7 @@ def test_calculator_rejects(expression: str, match: str) -> None:
 
 def test_resolve_tools() -> None:
     calc, count, shout = resolve_tools(["calculator", "rl_tool_plugins:word_count", "rl_tool_plugins:shout"])
-    assert calc.name == "calculator" and calc.fn is BUILTIN_TOOLS["calculator"]
+    assert calc.name == "calculator" and calc.fn is calculator and BUILTIN_TOOLS["calculator"] == "rollout.rl.calc:calculator"
     assert calc.parameters["required"] == ["expression"] and calc.description.startswith("Evaluate")
     assert count.name == "word_count" and count.description == "Count the words of a text."
     assert (shout.name, shout.timeout_s) == ("shout", 1.5)

@@ -66,6 +66,18 @@ def test_eval_lifecycle(store):
     assert again.started_at == running.started_at and again.ended_at is None and again.error is None
 
 
+def test_eval_by_name_is_the_newest_with_that_name(store):
+    first = make_eval(store, name="grpo")
+    time.sleep(0.01)
+    second = make_eval(store, name="grpo")
+    other = make_eval(store, name="sft")
+    assert store.get_eval("grpo").id == second.id != first.id
+    assert store.get_eval("sft").id == other.id
+    assert store.get_eval(first.id).id == first.id  # ids still win
+    with pytest.raises(EvalNotFound, match="neither an eval id, a unique id prefix nor an eval name"):
+        store.get_eval("ppo")
+
+
 def test_eval_errors(store):
     with pytest.raises(EvalNotFound, match="eval not found: 01NOPE"):
         store.get_eval("01NOPE")

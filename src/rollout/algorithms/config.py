@@ -16,13 +16,18 @@ from it. No torch here: `validate` and `train --dry-run` import this.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
 from rollout.config_base import ConfigPath, StrictModel, resolve_model_uri
-from rollout.rl.builtins import BUILTIN_ENVS, BUILTIN_REWARDS
+from rollout.errors import ConfigError
+from rollout.plugins import PluginKind, find_plugin, plugin_names
+from rollout.rl.builtins import BUILTIN_ENVS, BUILTIN_REWARDS, BUILTIN_TOOLS
+from rollout.sidecar_config import PluginRef, SidecarConfig
 
 _PLUGIN_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -87,13 +92,92 @@ class BudgetConfig(StrictModel):
 
 
 class JsonlDatasetConfig(StrictModel):
-    """A local JSONL file, one object per line (SPEC section 4)."""
+    """A local JSONL file, one object per line in any of TRL's dataset shapes (SPEC section 4)."""
 
-    kind: Literal["jsonl_path"] = Field("jsonl_path", description="jsonl_path (hf_dataset is planned).")
+    kind: Literal["jsonl_path"] = Field(
+        "jsonl_path", description="jsonl_path | hf_dataset (files through `datasets`) | mixture (weighted)."
+    )
     path: ConfigPath = Field(description="The JSONL file.")
     on_bad_line: Literal["error", "skip"] = Field(
         "error", description="error: refuse the file; skip: drop bad lines and report the count."
     )
+
+
+class HFDatasetConfig(StrictModel):
+    """One split read through the `datasets` library (the `data` extra), every row checked like a
+    JSONL line: a parquet / arrow / JSON(L) / CSV file, a dataset folder (`save_to_disk`, or data
+    files named by split), or a hub id when online (`rollout.data.hf`)."""
+
+    kind: Literal["hf_dataset"]
+    path: ConfigPath | None = Field(None, description="Local file or folder (relative to the config); or set name.")
+    name: str | None = Field(None, min_length=1, description="Hub dataset id (online only); or set path.")
+    split: str = Field("train", min_length=1, description="Split to read (a single file is split train).")
+    columns: dict[str, Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=dict, description='Rename columns before the checks: {question = "prompt"}.'
+    )
+    streaming: bool = Field(False, description="Read row by row instead of building the `datasets` Arrow cache first.")
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error", description="error: refuse the split; skip: drop bad rows and report the count."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFDatasetConfig:
+        if (self.path is None) == (self.name is None):
+            raise ValueError("set exactly one of path (local files) and name (a hub id)")
+        return self
+
+
+class JsonlMixtureSource(JsonlDatasetConfig):
+    """A JSONL file in a mixture."""
+
+    weight: float = Field(1.0, gt=0, description="Relative probability of drawing from this source.")
+
+
+class HFMixtureSource(HFDatasetConfig):
+    """A `datasets` split in a mixture."""
+
+    weight: float = Field(1.0, gt=0, description="Relative probability of drawing from this source.")
+
+
+def _dataset_kind(value: Any) -> str:
+    """The `kind` of a dataset block; a block without one is a JSONL file (the default kind)."""
+    kind = value.get("kind", "jsonl_path") if isinstance(value, dict) else getattr(value, "kind", "jsonl_path")
+    return kind if isinstance(kind, str) else repr(kind)
+
+
+MixtureSource = Annotated[
+    Annotated[JsonlMixtureSource, Tag("jsonl_path")] | Annotated[HFMixtureSource, Tag("hf_dataset")],
+    Discriminator(_dataset_kind),
+]
+
+
+class MixtureDatasetConfig(StrictModel):
+    """A weighted mixture of datasets, interleaved once with its own seed, so a resumed run sees the
+    same rows (`rollout.data.mixture`)."""
+
+    kind: Literal["mixture"]
+    sources: tuple[MixtureSource, ...] = Field(
+        description="[[...dataset.sources]] blocks: a jsonl_path or hf_dataset each, with a weight."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the interleave (the run's seed shuffles each epoch).")
+    stop: Literal["first_exhausted", "all_exhausted"] = Field(
+        "first_exhausted",
+        description="first_exhausted: end when a source runs out; all_exhausted: repeat sources until all ran out.",
+    )
+
+    @model_validator(mode="after")
+    def _has_sources(self) -> MixtureDatasetConfig:
+        if not self.sources:  # checked here, not with min_length: that also fires when a source is invalid
+            raise ValueError("a mixture needs at least one [[sources]] block")
+        return self
+
+
+DatasetConfig = Annotated[
+    Annotated[JsonlDatasetConfig, Tag("jsonl_path")]
+    | Annotated[HFDatasetConfig, Tag("hf_dataset")]
+    | Annotated[MixtureDatasetConfig, Tag("mixture")],
+    Discriminator(_dataset_kind),
+]
 
 
 class PackingConfig(StrictModel):
@@ -148,7 +232,7 @@ class TrainCommon(StrictModel):
     optimizer: OptimizerConfig
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     budget: BudgetConfig
-    dataset: JsonlDatasetConfig
+    dataset: DatasetConfig
     packing: PackingConfig = Field(default_factory=PackingConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
@@ -172,6 +256,12 @@ class RMConfig(TrainCommon):
         None, ge=0, description="Adds c·mean((r_c + r_r)²) to keep rewards centred (Eisenstein et al., 2023)."
     )
     loss_on: LossOnConfig = Field(default_factory=LossOnConfig, description="Only `full`: RM scores whole sequences.")
+    eval_dataset: DatasetConfig | None = Field(
+        None,
+        description="Held-out preference pairs: their pair accuracy is logged as eval/pair_accuracy"
+        " at the end of training (the lines are read and checked before the first step).",
+        exclude_if=lambda value: value is None,  # a config without it keeps the digest it always had
+    )
 
     @model_validator(mode="after")
     def _rm_shape(self) -> RMConfig:
@@ -239,22 +329,131 @@ class KTOConfig(TrainCommon):
         return self
 
 
+_PLUGIN_KIND: dict[str, PluginKind] = {"reward function": "reward", "env": "env", "tool": "tool"}
+
+
 def _check_plugin_name(value: str, builtins: tuple[str, ...], what: str) -> str:
-    if value in builtins or _PLUGIN_REF.match(value):
+    """A built-in name, an installed plugin's name (`rollout.plugins`: metadata only, nothing is
+    imported) or a 'module:attr' reference (imported at plan time by `check_plugins`)."""
+    if _PLUGIN_REF.match(value):
         return value
-    raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(builtins)} or 'module:attr'")
+    kind = _PLUGIN_KIND[what]
+    try:
+        if find_plugin(kind, value) is not None:
+            return value
+    except ConfigError as err:  # a name clash between two origins: one located error
+        raise ValueError(str(err)) from None
+    names = list(dict.fromkeys([*builtins, *plugin_names(kind)]))
+    raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(names)} or 'module:attr'")
+
+
+def _check_ref(value: str | SidecarConfig, builtins: tuple[str, ...], what: str) -> None:
+    if isinstance(value, str):
+        _check_plugin_name(value, builtins, what)
 
 
 class RewardSpec(StrictModel):
     """One reward function: a built-in name or `module:attr`, with its weight in the sum."""
 
+    kind: Literal["function"] = Field(
+        "function", exclude=True,  # implied: a config without `kind` keeps the digest it always had
+        description="function (the default) | reward_model (a trained RM scores completions).",
+    )
     name: str = Field(description=f"Built-in ({', '.join(BUILTIN_REWARDS)}) or 'module:attr'.")
-    weight: float = Field(1.0, description="Weight of this reward in the weighted sum.")
+    weight: float = Field(1.0, description="Weight of this reward in the weighted sum (0: logged, not trained on).")
 
     @model_validator(mode="after")
     def _known(self) -> RewardSpec:
         _check_plugin_name(self.name, tuple(BUILTIN_REWARDS), "reward function")
         return self
+
+
+_SNAPSHOT_ID = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+class RewardModelSpec(StrictModel):
+    """A trained reward model (`rollout train rm`) as a reward, scored in process: frozen, no grad,
+    its own tokenizer and chat template (`rollout.rl.reward_model`)."""
+
+    kind: Literal["reward_model"]
+    name: str = Field(
+        "rm", pattern=r"^[A-Za-z_][\w.-]*$", max_length=64,
+        description="Name of this reward (metric rollout/reward/<name>).",
+    )
+    model: ConfigPath | None = Field(None, description="RM export folder (relative to the config); or set snapshot.")
+    snapshot: str | None = Field(
+        None, description="A reward-model train_state snapshot id (or 8+ hex chars of it) in the run's store."
+    )
+    weight: float = Field(1.0, description="Weight of the (normalised) score in the weighted sum.")
+    normalize: Literal["none", "group", "batch", "running"] = Field(
+        "none",
+        description="none: raw scores; group: minus the mean score of the same prompt's completions (a per-prompt"
+        " baseline); batch: standardised over each scored batch; running: standardised by the mean/std of"
+        " every score so far (kept in snapshots).",
+    )
+    batch_size: int = Field(32, ge=1, le=65536, description="Sequences per RM forward pass.")
+    max_seq_len: int = Field(512, ge=2, le=1_048_576, description="Prompt + completion tokens kept (the first).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardModelSpec:
+        if (self.model is None) == (self.snapshot is None):
+            raise ValueError("set exactly one of model (an RM export folder) and snapshot (an RM snapshot id)")
+        if self.snapshot is not None and not _SNAPSHOT_ID.match(self.snapshot):
+            raise ValueError(f"snapshot {self.snapshot!r} is not a snapshot id (8 to 64 lowercase hex characters)")
+        problem = reward_model_dir_problem(self.model) if self.model is not None else None
+        if problem is not None:
+            raise ValueError(f"reward model {self.model}: {problem}")
+        return self
+
+
+def reward_model_dir_problem(path: Path) -> str | None:
+    """Why `path` is not a reward-model folder (a 1-logit `...ForSequenceClassification`, as
+    `rollout train rm` exports), or None. Reads config.json only: no torch."""
+    if not path.is_dir():
+        return "no such folder"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "not a model folder (no config.json)"
+    except (OSError, ValueError) as err:
+        return f"cannot read config.json: {err}"
+    if not isinstance(config, dict):
+        return "config.json is not a JSON object"
+    architectures = config.get("architectures") or []
+    labels = len(config.get("id2label") or {"0": ""})
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+        return (f"not a reward model (architectures {architectures}, {labels} labels); export one with"
+                " `rollout train rm` ([export] dir) or `rollout snapshot export <rm-snapshot-id>`")
+    return None
+
+
+def _reward_kind(value: Any) -> str:
+    """The `kind` of a reward entry; an entry without one is a reward function (the default kind)."""
+    kind = value.get("kind", "function") if isinstance(value, dict) else getattr(value, "kind", "function")
+    return kind if isinstance(kind, str) else repr(kind)
+
+
+class SidecarRewardSpec(SidecarConfig):
+    """A sidecar's batched `reward.score` as a reward (`rollout.sidecar`, docs/sidecar-protocol.md);
+    a failing sidecar drops the samples it was asked to score."""
+
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.:-]*$", max_length=64,
+        description="Name of this reward (metric rollout/reward/<name>; default: sidecar:<last command word>).",
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the weighted sum.")
+
+    @property
+    def label(self) -> str:
+        return self.name or super().label
+
+
+RewardEntry = Annotated[
+    Annotated[RewardSpec, Tag("function")]
+    | Annotated[RewardModelSpec, Tag("reward_model")]
+    | Annotated[SidecarRewardSpec, Tag("sidecar")],
+    Discriminator(_reward_kind),
+]
 
 
 class EpisodeEnvConfig(StrictModel):
@@ -263,7 +462,10 @@ class EpisodeEnvConfig(StrictModel):
     An `env = "name"` string keeps today's single-turn scoring (the env as a reward function).
     """
 
-    name: str = Field(description=f"Env: {', '.join(BUILTIN_ENVS)} or 'module:attr' (an env factory).")
+    name: PluginRef = Field(
+        description=f"Env: {', '.join(BUILTIN_ENVS)}, an installed plugin, 'module:attr' (an env factory), or a"
+        ' sidecar table {kind = "sidecar", command = [...]}.'
+    )
     max_turns: int = Field(1, ge=1, le=256, description="Assistant turns per episode.")
     max_episode_tokens: int = Field(
         512, ge=1, le=1_048_576, description="Most tokens after the prompt (sampled + env + tool) per episode."
@@ -271,10 +473,26 @@ class EpisodeEnvConfig(StrictModel):
     step_timeout_s: float = Field(30.0, gt=0, description="Per env reset / step; a timeout ends the episode (reward 0).")
     max_concurrent_steps: int = Field(32, ge=1, le=4096, description="Env steps running at once.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the env factory.")
+    tools: tuple[PluginRef, ...] = Field(
+        (),
+        description=f"Tools handed to the env factory as `tools=`: {', '.join(BUILTIN_TOOLS)}, an installed plugin,"
+        " 'module:attr', or a sidecar table (every tool its describe lists).",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> EpisodeEnvConfig:
-        _check_plugin_name(self.name, tuple(BUILTIN_ENVS), "env")
+        _check_ref(self.name, tuple(BUILTIN_ENVS), "env")
+        for tool in self.tools:
+            _check_ref(tool, tuple(BUILTIN_TOOLS), "tool")
+        if self.tools and "tools" in self.options:
+            raise ValueError("give tools in `tools`, not in `options`")
+        if self.tools and isinstance(self.name, SidecarConfig):
+            raise ValueError("a sidecar env lists its own tools in its describe answer: drop `tools`")
+        if isinstance(self.name, SidecarConfig) and self.name.timeout_s >= self.step_timeout_s:
+            raise ValueError(
+                f"the sidecar's timeout_s ({self.name.timeout_s:g}) must be below step_timeout_s"
+                f" ({self.step_timeout_s:g}), so that a hung sidecar is restarted"
+            )
         return self
 
 
@@ -291,7 +509,9 @@ class RLCommon(TrainCommon):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
-    rewards: tuple[RewardSpec, ...] = Field((), description="Reward functions, summed with their weights.")
+    rewards: tuple[RewardEntry, ...] = Field(
+        (), description="Reward functions and reward models ([[rewards]] with kind), summed with their weights."
+    )
     env: str | EpisodeEnvConfig | None = Field(
         None,
         description=f"Env scoring completions: {', '.join(BUILTIN_ENVS)} or 'module:attr'; a table"
@@ -309,9 +529,22 @@ class RLCommon(TrainCommon):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
 
     @model_validator(mode="after")
+    def _sidecar_timeouts(self) -> RLCommon:
+        for entry in self.rewards:
+            if isinstance(entry, SidecarRewardSpec) and entry.timeout_s >= self.reward_timeout_s:
+                raise ValueError(
+                    f"reward {entry.label}: the sidecar's timeout_s ({entry.timeout_s:g}) must be below"
+                    f" reward_timeout_s ({self.reward_timeout_s:g}), so that a hung sidecar is restarted"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _rl_shape(self) -> RLCommon:
         if not self.rewards and self.env is None:
             raise ValueError("set `env` or at least one [[rewards]] entry")
+        names = [getattr(r, "label", r.name) for r in self.rewards]  # a sidecar's name may be implied
+        if len(set(names)) != len(names):
+            raise ValueError(f"[[rewards]] names must be unique (they name the metrics), got {names}")
         if isinstance(self.env, str):
             _check_plugin_name(self.env, tuple(BUILTIN_ENVS), "env")
         if isinstance(self.env, EpisodeEnvConfig) and self.rewards:

@@ -27,8 +27,9 @@ from rollout.backends.torch_backend import build_torch_backend, move_to, pick_de
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
-from rollout.data.jsonl import Row, read_rows
+from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_pairs
 from rollout.errors import AlgorithmError
 from rollout.losses.logps import sequence_logps
@@ -120,8 +121,8 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_rows(s.dataset.path, "preference", on_bad_line=s.dataset.on_bad_line)
-    pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len=s.packing.max_seq_len, path=s.dataset.path)
+    rows, report = read_dataset(s.dataset, "preference")
+    pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len=s.packing.max_seq_len)
     lengths = [max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs]
     plan = MicroBatchPlan(lengths, micro_batch_size=s.minibatch_size, packing="off",
                           max_seq_len=s.packing.max_seq_len, seed=cfg.seed)

@@ -27,8 +27,9 @@ from rollout.backends.torch_backend import build_torch_backend, move_to, pick_de
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_padded
-from rollout.data.jsonl import Row, read_rows
+from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.sources import read_dataset
 from rollout.data.tokenize import TokenizedSample, tokenize_aligned, tokenize_sft
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.logps import sequence_logps
@@ -114,14 +115,13 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_rows(s.dataset.path, "kto", on_bad_line=s.dataset.on_bad_line)
+    rows, report = read_dataset(s.dataset, "kto")
     samples, stats, rows = tokenize_aligned(
-        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=s.packing.max_seq_len,
-                                path=s.dataset.path), rows,
+        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=s.packing.max_seq_len), rows,
     )
     labels = torch.tensor([bool(r.data["label"]) for r in rows])
     if labels.all() or not labels.any():
-        raise DataError(f"{s.dataset.path}: kto needs both desirable (true) and undesirable (false) lines")
+        raise DataError(f"{report.label}: kto needs both desirable (true) and undesirable (false) lines")
     mismatched = mismatched_samples(samples, s.packing.max_seq_len)
     n_lines = len(samples)
     plan = MicroBatchPlan([len(x.input_ids) for x in samples], micro_batch_size=s.minibatch_size, packing="off",

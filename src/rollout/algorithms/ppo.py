@@ -40,7 +40,7 @@ from rollout.algorithms.rl_common import (
 from rollout.backends.torch_backend import build_torch_backend, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
-from rollout.data.jsonl import read_rows
+from rollout.data.sources import read_dataset
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
 from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss, whiten
@@ -131,10 +131,10 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_rows(s.dataset.path, "prompt", on_bad_line=s.dataset.on_bad_line)
+    rows, report = read_dataset(s.dataset, "prompt")
     data = [r.data for r in rows]
-    reward_fns = resolve_reward_specs([(r.name, r.weight) for r in s.rewards], s.env)
     device = pick_device(cfg.backend.device)
+    reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
     rollout_engine = build_engine(
         base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights"
     )

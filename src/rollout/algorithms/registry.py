@@ -14,6 +14,13 @@ string, so importing the registry imports no recipe and no torch.
 
 Adding an algorithm: a settings class in `algorithms/config.py`, a recipe
 module with `train_<kind>(cfg, *, resume=None) -> TrainResult`, one entry here.
+Or, from another package, an `AlgorithmSpec` registered as the entry point
+`"algorithm.<kind>"` in the group `rollout.plugins` (`rollout.plugins`): it is
+imported when this module loads (its settings class is part of the config
+schema), so keep its module light. A plugin that can't be used (it fails to
+import, isn't an `AlgorithmSpec`, or its kind clashes with another) is left
+out or loses to the built-in, and its problem is in `ALGORITHM_PLUGIN_PROBLEMS`:
+`rollout plugins list` shows it and `load_train` of that kind raises it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from rollout.algorithms.config import (
     SFTConfig,
     TrainCommon,
 )
+from rollout.errors import ConfigError
+from rollout.plugins import BUILTIN, clash_errors, plugins_of
 
 DataKind = Literal["sft", "preference", "kto", "prompt"]
 
@@ -72,12 +81,15 @@ class AlgorithmSpec:
 
     def load_train(self) -> TrainFn:
         """Import the recipe module and return its train function."""
+        problem = ALGORITHM_PLUGIN_PROBLEMS.get(self.kind)
+        if problem is not None:
+            raise ConfigError(str(problem))
         module, _, function = self.train.partition(":")
         train: TrainFn = getattr(importlib.import_module(module), function)
         return train
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {
+BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.kind: spec
     for spec in (
         AlgorithmSpec("sft", SFTConfig, "sft", "rollout.algorithms.sft:train_sft", "Supervised fine-tuning."),
@@ -103,3 +115,35 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         ),
     )
 }
+
+
+def _with_plugins(builtins: dict[str, AlgorithmSpec]) -> tuple[dict[str, AlgorithmSpec], dict[str, ConfigError]]:
+    """The built-ins plus the algorithms installed packages register, and the problem of each
+    kind a plugin could not be used for (a clash keeps the first: the built-in, else the first
+    distribution by name)."""
+    specs = dict(builtins)
+    plugins = plugins_of("algorithm", {kind: spec.train for kind, spec in builtins.items()})
+    problems = {name: err for (_, name), err in clash_errors(plugins).items()}
+    for plugin in plugins:
+        if plugin.origin == BUILTIN or plugin.name in specs:
+            continue
+        try:
+            spec = plugin.load()
+        except ConfigError as err:
+            problems[plugin.name] = err
+            continue
+        if not (
+            isinstance(spec, AlgorithmSpec) and spec.kind == plugin.name
+            and isinstance(spec.settings, type) and issubclass(spec.settings, TrainCommon)
+        ):
+            problems[plugin.name] = ConfigError(
+                f"algorithm plugin {plugin.name!r} from {plugin.where}: expected an AlgorithmSpec with kind"
+                f" {plugin.name!r} and a TrainCommon settings class, got {type(spec).__name__}"
+            )
+            continue
+        specs[plugin.name] = spec
+    return specs, problems
+
+
+ALGORITHMS, ALGORITHM_PLUGIN_PROBLEMS = _with_plugins(BUILTIN_ALGORITHMS)
+"""Every algorithm `rollout train` knows, built-in then plugins; the problems of plugins, by kind."""

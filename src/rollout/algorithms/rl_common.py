@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +25,11 @@ from typing import Any
 
 import torch
 
-from rollout.algorithms.config import EpisodeEnvConfig
+from rollout.algorithms.config import EpisodeEnvConfig, RewardModelSpec, SidecarRewardSpec
+from rollout.algorithms.config import RewardSpec as RewardFunctionSpec
 from rollout.backends.base import TrainingBackend
 from rollout.checkpoint import LoopState
-from rollout.errors import AlgorithmError
+from rollout.errors import AlgorithmError, ConfigError
 from rollout.inference.build import build_engine as build_configured_engine
 from rollout.inference.config import InferenceConfig
 from rollout.inference.hf_engine import load_hf_engine
@@ -39,22 +41,68 @@ from rollout.models.load import ModelSource
 from rollout.rl.envs import resolve_env, reward_from_env
 from rollout.rl.episode import EpisodeLimits, EpisodeSetup
 from rollout.rl.manager import RolloutManager
+from rollout.rl.reward_model import RewardModelReward, export_reward_model_snapshot, load_reward_model
 from rollout.rl.rewards import resolve_reward
+from rollout.rl.tools import resolve_tools
 from rollout.rl.types import RewardSpec, RolloutBatch, Sample
 from rollout.run import RunContext, snapshot_backend
+from rollout.sidecar import close_sidecars
 
 Weights = Mapping[str, torch.Tensor]
 
 
 def resolve_reward_specs(
-    rewards: Sequence[tuple[str, float]], env: str | EpisodeEnvConfig | None
+    rewards: Sequence[RewardFunctionSpec | RewardModelSpec | SidecarRewardSpec],
+    env: str | EpisodeEnvConfig | None, *,
+    ctx: RunContext | None = None, device: torch.device | None = None, dtype: str = "float32",
 ) -> list[RewardSpec]:
-    """(name, callable, weight) for every `(name, weight)` of [[rewards]], plus an `env = "name"`
-    as a reward (an [env] table scores its own episodes: see `episode_setup`)."""
-    specs = [(name, resolve_reward(name), weight) for name, weight in rewards]
+    """(name, callable, weight) for every [[rewards]] entry (a reward model is loaded here, on
+    `device`; a snapshot id is exported from `ctx`'s store first; a normalised one is two specs:
+    its raw score, weight 0, and the normalised score), plus an `env = "name"` as a reward (an
+    [env] table scores its own episodes: see `episode_setup`)."""
+    specs: list[RewardSpec] = []
+    for entry in rewards:
+        if isinstance(entry, RewardModelSpec):
+            rm = build_reward_model(entry, ctx=ctx, device=device, dtype=dtype)
+            if entry.normalize == "none":
+                specs.append((entry.name, rm, entry.weight))
+            else:  # the raw score is logged as <name>; the normalised one carries the weight
+                specs += [(entry.name, rm.raw, 0.0), (f"{entry.name}_{entry.normalize}", rm, entry.weight)]
+        elif isinstance(entry, SidecarRewardSpec):  # its process starts on the first batch
+            specs.append((entry.label, resolve_reward(entry), entry.weight))
+        else:
+            specs.append((entry.name, resolve_reward(entry.name), entry.weight))
     if isinstance(env, str):
         specs.append((f"env:{env}", reward_from_env(resolve_env(env), name=env), 1.0))
     return specs
+
+
+def build_reward_model(
+    entry: RewardModelSpec, *, ctx: RunContext | None, device: torch.device | None, dtype: str
+) -> RewardModelReward:
+    """A `kind = "reward_model"` entry as a frozen RM reward function."""
+    path = entry.model
+    if entry.snapshot is not None:
+        if ctx is None:
+            raise AlgorithmError(f"reward model {entry.name}: a snapshot id needs the run's store")
+        path = export_reward_model_snapshot(ctx.store, ctx.objects, entry.snapshot, ctx.run_dir / "reward-models")
+    assert path is not None  # the config holds exactly one of model and snapshot
+    seed = ctx.config.seed if ctx is not None else 0
+    return load_reward_model(
+        path, device=device or torch.device("cpu"), dtype=dtype, batch_size=entry.batch_size,
+        max_seq_len=entry.max_seq_len, normalize=entry.normalize, seed=seed,
+    )
+
+
+def reward_states(specs: Sequence[RewardSpec]) -> dict[str, dict[str, Any]]:
+    """The state of every stateful reward (an RM's running moments), by name, for a snapshot."""
+    return {name: fn.state_dict() for name, fn, _ in specs if isinstance(fn, RewardModelReward) and fn.normalize == "running"}
+
+
+def load_reward_states(specs: Sequence[RewardSpec], states: Mapping[str, Any]) -> None:
+    for name, fn, _ in specs:
+        if isinstance(fn, RewardModelReward) and name in states:
+            fn.load_state_dict(states[name])
 
 
 def episode_setup(env: str | EpisodeEnvConfig | None, tokenizer: Any) -> EpisodeSetup | None:
@@ -63,11 +111,23 @@ def episode_setup(env: str | EpisodeEnvConfig | None, tokenizer: Any) -> Episode
         return None
     factory = resolve_env(env.name)
     options = dict(env.options)
+    if env.tools:
+        if not _takes_keyword(factory, "tools"):
+            raise ConfigError(f"env {env.name!r} takes no `tools` argument, so it can't use the [env] tools")
+        options["tools"] = resolve_tools(env.tools)
     limits = EpisodeLimits(
         max_turns=env.max_turns, max_episode_tokens=env.max_episode_tokens,
         step_timeout_s=env.step_timeout_s, max_concurrent_steps=env.max_concurrent_steps,
     )
     return EpisodeSetup(tokenizer, functools.partial(factory, **options) if options else factory, limits)
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True  # can't tell: let the call say
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def max_completion_tokens(max_tokens: int, env: str | EpisodeEnvConfig | None) -> int:
@@ -168,6 +228,7 @@ class BatchSource:
         """Continue from a resumed run's loop state: the manager's state and any batch generated
         ahead; returns the policy version to continue from."""
         self.manager.load_state_dict(loop.restored["manager"])
+        load_reward_states(self.manager.reward_fns, loop.restored.get("rewards", {}))
         pending = loop.restored.get("pending")
         self.pending = batch_from_dict(pending) if pending is not None else None
         version: int = loop.restored["version"]
@@ -183,6 +244,7 @@ class BatchSource:
         if isinstance(self.pending, asyncio.Future):
             with contextlib.suppress(Exception):  # the run is ending; its own error is what matters
                 await self.pending
+        await close_sidecars()  # reward / env / tool sidecars: no process outlives the run
 
 
 def require_samples(batch: RolloutBatch, step: int, empty_streak: int) -> int:
@@ -204,4 +266,7 @@ async def snapshot_rl(
     """A train_state snapshot that also holds the manager's state and any batch generated ahead."""
     pending = await source.settle()
     state = {**loop.to_dict(), "manager": source.manager.state_dict(), "pending": pending, "version": version}
+    rewards = reward_states(source.manager.reward_fns)
+    if rewards:  # only runs with a stateful reward (a running-normalised RM) carry the key
+        state["rewards"] = rewards
     return await snapshot_backend(ctx, backend, step=loop.step, loop_state=state, static_blobs=static_blobs, extra=extra)

@@ -24,8 +24,9 @@ from rollout.backends.torch_backend import build_torch_backend, move_to, pick_de
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
-from rollout.data.jsonl import Row, read_rows
+from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_aligned, tokenize_pairs
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.rm import bradley_terry_loss
@@ -106,16 +107,17 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
-    rows, report = read_rows(s.dataset.path, "preference", on_bad_line=s.dataset.on_bad_line)
+    rows, report = read_dataset(s.dataset, "preference")
     pairs, stats, rows = tokenize_aligned(
-        lambda rs: tokenize_pairs(rs, tokenizer, max_seq_len=s.packing.max_seq_len, path=s.dataset.path), rows
+        lambda rs: tokenize_pairs(rs, tokenizer, max_seq_len=s.packing.max_seq_len), rows
     )
-    margins = [_line_margin(r, s.dataset.path) for r in rows]
+    margins = [_line_margin(r) for r in rows]
+    eval_rows = read_dataset(s.eval_dataset, "preference")[0] if s.eval_dataset is not None else None
     lengths = [max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs]
     plan = MicroBatchPlan(lengths, micro_batch_size=s.minibatch_size, packing="off",
                           max_seq_len=s.packing.max_seq_len, seed=cfg.seed)
     if plan.num_batches(0) == 0:
-        raise AlgorithmError(f"{s.dataset.path}: {len(pairs)} pairs make no full micro-batch of {s.minibatch_size}")
+        raise AlgorithmError(f"{report.label}: {len(pairs)} pairs make no full micro-batch of {s.minibatch_size}")
     total_steps = resolve_total_steps(
         **s.budget.model_dump(), batches_per_epoch=plan.num_batches(0), grad_accum=s.gradient_accumulation,
         tokens_per_batch=2 * sum(lengths) / len(lengths) * s.minibatch_size,
@@ -186,14 +188,19 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
                 )
 
+    if eval_rows is not None:  # the final weights: deterministic, no grad, after the last snapshot's state
+        held_out = {"eval/pair_accuracy": pair_accuracy(model, tokenizer, eval_rows, max_seq_len=s.packing.max_seq_len)}
+        rec.metrics(loop.step, held_out)
+        last = {**last, **held_out}
     return await finish_training(
         ctx, backend, model, tokenizer, loop, export_dir=s.export.dir if s.export else None,
         static_blobs=static_blobs, extra=extra, metrics=last,
     )
 
 
-def _line_margin(row: Any, path: Any) -> float:
+def _line_margin(row: Row) -> float:
     value = row.data.get("margin", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DataError(f"{path}:{row.line}: field \"margin\" must be a number, got {type(value).__name__}")
+        where = row.location or f"line {row.line}"
+        raise DataError(f'{where}: field "margin" must be a number, got {type(value).__name__}')
     return float(value)

@@ -23,8 +23,8 @@ from rollout.backends.torch_backend import build_torch_backend, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import attention_mask_for, collate_packed, collate_padded
-from rollout.data.jsonl import read_rows
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_sft
 from rollout.errors import AlgorithmError
 from rollout.losses.sft import next_token_targets, sft_loss
@@ -77,19 +77,19 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
-    rows, report = read_rows(s.dataset.path, "sft", on_bad_line=s.dataset.on_bad_line)
+    rows, report = read_dataset(s.dataset, "sft")
     samples, stats = tokenize_sft(
-        rows, tokenizer, loss_on=s.loss_on.kind, max_seq_len=s.packing.max_seq_len, path=s.dataset.path
+        rows, tokenizer, loss_on=s.loss_on.kind, max_seq_len=s.packing.max_seq_len
     )
     if not samples:
-        raise AlgorithmError(f"{s.dataset.path}: no trainable samples after tokenization")
+        raise AlgorithmError(f"{report.label}: no trainable samples after tokenization")
     plan = MicroBatchPlan(
         [len(x.input_ids) for x in samples], micro_batch_size=s.minibatch_size,
         packing=s.packing.kind, max_seq_len=s.packing.max_seq_len, seed=cfg.seed,
     )
     if plan.num_batches(0) == 0:
         raise AlgorithmError(
-            f"{s.dataset.path}: {len(samples)} samples make no full micro-batch of {s.minibatch_size}"
+            f"{report.label}: {len(samples)} samples make no full micro-batch of {s.minibatch_size}"
         )
     mean_tokens = stats.num_tokens / max(1, stats.num_samples) * s.minibatch_size
     total_steps = resolve_total_steps(

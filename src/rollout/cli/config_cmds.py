@@ -10,20 +10,19 @@ import typer
 from rollout.algorithms.registry import ALGORITHMS
 from rollout.config import RunConfig, load_config
 from rollout.config_base import located_error
-from rollout.data.jsonl import scan_dataset
-from rollout.errors import DataError, ModelError
+from rollout.data.sources import check_dataset_exists, dataset_label, scan_dataset_source
+from rollout.errors import ModelError
 
 
 def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
     """The dataset exists (and, with scan_lines, every line has the algorithm's shape)."""
     ds = cfg.algorithm.settings.dataset
-    if not ds.path.is_file():
-        raise DataError(f"dataset not found: {ds.path}")
+    check_dataset_exists(ds)
     if not scan_lines:
-        return f"dataset={ds.path}"
-    report = scan_dataset(ds.path, ALGORITHMS[cfg.algorithm.kind].data_kind, on_bad_line=ds.on_bad_line)
+        return f"dataset={dataset_label(ds)}"
+    report = scan_dataset_source(ds, ALGORITHMS[cfg.algorithm.kind].data_kind)
     skipped = f" skipped={report.num_skipped}" if report.num_skipped else ""
-    return f"dataset={ds.path} lines={report.num_valid}{skipped}"
+    return f"dataset={dataset_label(ds)} lines={report.num_valid}{skipped}"
 
 
 def check_runtime(cfg: RunConfig, *, source: Path) -> None:
@@ -58,9 +57,11 @@ def check_plugins(cfg: RunConfig) -> None:
     from rollout.rl.rewards import resolve_reward
 
     for spec in rewards:
-        resolve_reward(spec.name)
-    if env is not None:
-        resolve_env(env if isinstance(env, str) else env.name)
+        if getattr(spec, "kind", "function") == "function":  # reward models and sidecars: checked by `plan`
+            resolve_reward(spec.name)
+    name = env if isinstance(env, str) or env is None else env.name
+    if isinstance(name, str):  # a sidecar table is checked by `plan` (it starts the sidecar)
+        resolve_env(name)
 
 
 def check_eval(cfg: RunConfig, *, source: Path) -> str:

@@ -6,6 +6,8 @@ Examples:
     rollout data arithmetic ./data/arith3 --ops "+-*" --max-operand 20 --num-train 8000 --seed 1
     rollout data calculator ./data/calc
     rollout data calculator ./data/calc4 --left-digits 4 --n-sft 500 --seed 1
+    rollout data guess-number ./data/guess
+    rollout data guess-number ./data/guess64 --n 64 --train 4000 --test 200 --seed 1
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def calculator(
         right=digits_range(right_digits),
         ops=parse_ops(ops),
     )
+    lines = {"sft": n_sft, "prompts": n_train, "eval_prompts": n_eval}
+    for name, path in written.items():
+        typer.echo(f"{path}  ({lines[name]} lines)")
+
+
+@app.command("guess-number")
+def guess_number(
+    out_dir: Path = typer.Argument(..., help="Directory to write the jsonl files to."),
+    n: int = typer.Option(16, "--n", help="Secrets are integers from 1 to N."),
+    seed: int = typer.Option(0, help="Seed; sft, train and eval secrets use independent streams from it."),
+    n_sft: int = typer.Option(1000, "--n-sft", help="Binary-search SFT traces in sft.jsonl."),
+    n_train: int = typer.Option(2000, "--n-train", "--train", help="RL prompts in prompts.jsonl."),
+    n_eval: int = typer.Option(200, "--n-eval", "--test", help="Eval prompts in eval_prompts.jsonl."),
+) -> None:
+    """Write the guess-the-number task: sft.jsonl, prompts.jsonl and eval_prompts.jsonl."""
+    from rollout.tasks.guess_number import write_guess_number_data
+
+    written = write_guess_number_data(out_dir, seed=seed, n=n, n_sft=n_sft, n_train=n_train, n_eval=n_eval)
     lines = {"sft": n_sft, "prompts": n_train, "eval_prompts": n_eval}
     for name, path in written.items():
         typer.echo(f"{path}  ({lines[name]} lines)")

@@ -199,6 +199,11 @@ def eval_command(
         _start(given, api_key=api_key, flags=flags, as_json=as_json)
 
 
+TableOption = Annotated[
+    bool, typer.Option("--table", help="Print tables even when stdout is not a terminal (a log, a pipe).")
+]
+
+
 @app.command("list")
 def list_command(
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many evals.")] = None,
@@ -208,17 +213,19 @@ def list_command(
     ] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only evals of this training run.")] = None,
     as_json: JsonOption = False,
+    as_table: TableOption = False,
     heartbeat_timeout: HeartbeatTimeoutOption = DEFAULT_HEARTBEAT_TIMEOUT_S,
     config: Config = None,
     storage_path: StoragePath = None,
     dsn: Dsn = None,
 ) -> None:
-    """List evals, newest first: a table on a terminal, else a JSON array."""
+    """List evals, newest first: a table on a terminal (or with --table), else a JSON array."""
+    _one_format(as_json, as_table)
     with _open_store(StorageFlags(storage_path, None, dsn, config), create=False) as store:
         store.mark_crashed_evals(timeout_s=heartbeat_timeout)
         records = store.list_evals(limit=limit, status=status, run_id=run_id)
         counts = store.count_eval_samples([r.id for r in records])
-    if wants_json(as_json):
+    if wants_json(as_json) and not as_table:
         print_json([describe_eval(r, counts.get(r.id, 0), with_config=False) for r in records])
     else:
         print_tables(evals_table(records, counts))
@@ -227,7 +234,8 @@ def list_command(
 @app.command("show")
 def show_command(
     eval_id: Annotated[
-        str, typer.Argument(metavar="EVAL_ID", help="Eval id or a unique prefix (>= 10 chars).")
+        str,
+        typer.Argument(metavar="EVAL_ID", help="Eval id, a unique prefix (>= 10 chars) or a --name (its newest)."),
     ],
     as_json: JsonOption = False,
     heartbeat_timeout: HeartbeatTimeoutOption = DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -248,16 +256,18 @@ def show_command(
 
 @app.command("compare")
 def compare_command(
-    eval_a: Annotated[str, typer.Argument(metavar="EVAL_A", help="The baseline eval.")],
+    eval_a: Annotated[str, typer.Argument(metavar="EVAL_A", help="The baseline eval: id, prefix or --name.")],
     eval_b: Annotated[
         str, typer.Argument(metavar="EVAL_B", help="The eval compared with it (deltas are B - A).")
     ],
     as_json: JsonOption = False,
+    as_table: TableOption = False,
     config: Config = None,
     storage_path: StoragePath = None,
     dsn: Dsn = None,
 ) -> None:
     """Per-metric deltas B - A with paired-bootstrap CIs over shared prompts, and the prompts that flipped."""
+    _one_format(as_json, as_table)
     from rollout.eval.compare import compare_evals
 
     with _open_store(StorageFlags(storage_path, None, dsn, config), create=False) as store:
@@ -265,10 +275,15 @@ def compare_command(
         comparison = compare_evals(a, store.read_eval_samples(a.id), b, store.read_eval_samples(b.id))
     if not comparison["same_data"]:
         typer.echo("warning: the two evals ran on different data; prompts are paired by index", err=True)
-    if wants_json(as_json):
+    if wants_json(as_json) and not as_table:
         print_json(comparison)
     else:
         print_tables(*comparison_tables(comparison))
+
+
+def _one_format(as_json: bool, as_table: bool) -> None:
+    if as_json and as_table:
+        raise ConfigError("--json and --table exclude each other: give one")
 
 
 # --------------------------------------------------------------------------- running

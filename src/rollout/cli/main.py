@@ -16,8 +16,10 @@ import click
 import typer
 
 from rollout import __version__
-from rollout.cli import config_cmds, data, infer, model, runs, serve, snapshot, train
+from rollout.cli import config_cmds, dashboard, data, infer, model, runs, serve, snapshot, train
 from rollout.cli import eval as eval_cli
+from rollout.cli import plan as plan_cli
+from rollout.cli import plugins as plugins_cli
 from rollout.errors import RolloutError
 
 # Recent typer vendors its own copy of click; catch both so usage errors exit 2, not 1.
@@ -40,6 +42,7 @@ app = typer.Typer(
 
 def _register() -> None:
     config_cmds.register(app)
+    plan_cli.register(app)
     app.add_typer(train.app, name="train")
     app.add_typer(model.app, name="model")
     app.add_typer(data.app, name="data")
@@ -48,7 +51,9 @@ def _register() -> None:
     app.add_typer(runs.logs_app, name="logs")
     app.add_typer(infer.app, name="infer")
     app.add_typer(eval_cli.app, name="eval")
+    app.add_typer(plugins_cli.app, name="plugins")
     serve.register(app)
+    dashboard.register(app)
 
 
 _register()

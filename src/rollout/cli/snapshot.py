@@ -9,7 +9,8 @@
 Storage comes from, in order: `--dsn` (PostgreSQL) or `--storage-path`, then
 `--config F`'s `[storage]` block, then `$ROLLOUT_STORAGE_PATH` /
 `$ROLLOUT_OBJECT_PATH`, then `./rollout.db` and `./object-store`. These
-commands never create a store: a missing SQLite file is an error.
+commands never create a store: a missing SQLite file is an error. A bucket
+object store (`[storage.objects] backend = "s3"` or `"gcs"`) comes from `--config`.
 
 This module also holds the table helpers `rollout runs` shares: listings print
 rich tables on a terminal and exactly the JSON shapes scripts rely on otherwise.
@@ -99,11 +100,18 @@ def open_metadata_store(flags: StorageFlags) -> Iterator[Store]:
 
 
 def open_existing_object_store(flags: StorageFlags) -> ObjectStore:
-    """The existing object store the flags point at (never creates one)."""
+    """The existing object store the flags point at (never creates one): a folder, or the config's
+    s3 / gcs bucket (credentials from the provider's usual chain)."""
     if flags.object_path is not None:
         path = flags.object_path
     elif flags.config is not None:
-        path = _load_storage_config(flags.config).objects.path
+        objects = _load_storage_config(flags.config).objects
+        if objects.backend != "fs":  # a bucket: opening it checks that it exists
+            return open_object_store(
+                objects.backend, path=objects.path, url=objects.url, endpoint_url=objects.endpoint_url,
+                region=objects.region, max_attempts=objects.max_attempts,
+            )
+        path = objects.path
     else:
         path = Path(os.environ.get("ROLLOUT_OBJECT_PATH") or DEFAULT_OBJECT_PATH)
     if not path.is_dir():
@@ -126,7 +134,8 @@ def wants_json(as_json: bool) -> bool:
 def print_tables(*tables: Table) -> None:
     from rich.console import Console
 
-    console = Console(highlight=False)
+    # Not a terminal (a log, `--table` into a pipe): wide enough that no column is squashed.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     for table in tables:
         console.print(table)
 

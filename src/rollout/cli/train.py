@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from rollout.algorithms.registry import ALGORITHMS
+from rollout.algorithms.registry import ALGORITHMS, TrainResult
 from rollout.cli.config_cmds import check_dataset, check_eval, check_model_path, check_plugins, check_runtime
-from rollout.config import load_config
+from rollout.config import RunConfig, load_config
 from rollout.errors import ConfigError
 
 app = typer.Typer(help="Plan and run a training job in one go.", no_args_is_help=True)
@@ -28,16 +28,21 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     s = cfg.algorithm.settings
     check_runtime(cfg, source=config)
     if dry_run:
-        check_dataset(cfg, scan_lines=False)
-        typer.echo(
-            f"dry-run OK: algorithm={kind} model={s.base_model.uri} minibatch={s.minibatch_size} dataset={s.dataset.path}"
-        )
+        data = check_dataset(cfg, scan_lines=False)
+        typer.echo(f"dry-run OK: algorithm={kind} model={s.base_model.uri} minibatch={s.minibatch_size} {data}")
         return
     check_dataset(cfg, scan_lines=True)
     check_model_path(cfg)
     check_plugins(cfg)
     check_eval(cfg, source=config)
-    train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
+    run_training(cfg, resume)
+
+
+def run_training(cfg: RunConfig, resume: str | None) -> TrainResult:
+    """Run a checked config through its algorithm's recipe and print the summary
+    (`rollout train <kind>` and `rollout run --plan` both end here)."""
+    s = cfg.algorithm.settings
+    train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
     typer.echo(f"run {result.run_id} succeeded after {result.steps} steps")
@@ -47,6 +52,7 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
                f" objects {cfg.storage.objects.path} events {cfg.storage.resolved_runs_dir() / result.run_id}")
     if s.export is not None:
         typer.echo(f"exported model {s.export.dir}")
+    return result
 
 
 def _command(kind: str) -> Callable[..., None]:

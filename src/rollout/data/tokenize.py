@@ -148,7 +148,7 @@ def _sft_shape(row: Row) -> str:
         return "pc_text" if isinstance(data["prompt"], str) else "pc_chat"
     if "text" in data:
         return "text"
-    raise DataError(f"line {row.line}: not an sft line (validate it with read_rows first)")
+    raise DataError(f"{_where(None, row)}: not an sft line (validate it with read_rows first)")
 
 
 def _encode_messages(
@@ -400,6 +400,9 @@ def _check_max_seq_len(max_seq_len: int) -> None:
 
 
 def _where(path: Path | None, row: Row) -> str:
+    """The row's own location (set by the readers), else `path:line`."""
+    if row.location:
+        return row.location
     return f"{path}:{row.line}" if path is not None else f"line {row.line}"
 
 

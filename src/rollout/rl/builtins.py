@@ -6,6 +6,9 @@ plugin), so reading the names imports nothing: the config schema and
 
     [[algorithm.grpo.rewards]]
     name = "arithmetic_correct"        # a key of BUILTIN_REWARDS, or "my_pkg.rewards:exact"
+
+Installed packages add names through entry points (`rollout.plugins`, which merges them with
+these and refuses a clash); sidecars are tables, not names (`rollout.sidecar`).
 """
 
 from __future__ import annotations
@@ -19,4 +22,10 @@ BUILTIN_ENVS: dict[str, str] = {
     "arithmetic": "rollout.rl.envs:ArithmeticEnv",
     "math": "rollout.rl.envs:MathAnswerEnv",
     "calculator": "rollout.rl.calculator_env:CalculatorEnv",
+    "python_code": "rollout.rl.code_env:PythonCodeEnv",
+    "guess_number": "rollout.rl.guess_env:GuessNumberEnv",
+}
+BUILTIN_TOOLS: dict[str, str] = {
+    "calculator": "rollout.rl.calc:calculator",
+    "python": "rollout.rl.python_tool:python",
 }

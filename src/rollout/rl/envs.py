@@ -7,8 +7,9 @@
     factory = resolve_env("math")                       # or "my_pkg.envs:ChessEnv"
     reward_fn = reward_from_env(factory)                # a batched async RewardFn
 
-An env reference in config is a built-in name (`rl/builtins.py`) or `module:attr` naming
-an `EnvFactory` (a class or a function returning an `Env`).
+An env reference in config is a built-in or plugin name (`rl/builtins.py`, `rollout.plugins`),
+a `module:attr` naming an `EnvFactory` (a class or a function returning an `Env`), or a
+sidecar table (`rollout.sidecar`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 
 from rollout.errors import ConfigError
 from rollout.inference.types import Message, Prompt
-from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.plugins import find_plugin, unknown_name_error
 from rollout.rl.math_answer import extract_math_answer, math_answers_match
 from rollout.rl.refs import is_ref, load_ref
 from rollout.rl.types import Env, EnvFactory, RewardFn, RewardValues, StepResult
+from rollout.sidecar import Sidecar, SidecarEnvFactory
+from rollout.sidecar_config import SidecarConfig
 from rollout.tasks.arithmetic import extract_answer, is_correct
 
 
@@ -75,16 +78,17 @@ class MathAnswerEnv:
         return StepResult((), 1.0 if correct else 0.0, True, {"extracted": extract_math_answer(completion)})
 
 
-def resolve_env(name: str) -> EnvFactory:
-    """A built-in env name or a `module:attr` reference, as an env factory (`ConfigError` otherwise)."""
-    if name in BUILTIN_ENVS:
-        return load_ref(BUILTIN_ENVS[name], what="env")  # type: ignore[return-value]
+def resolve_env(name: str | SidecarConfig) -> EnvFactory:
+    """A built-in or plugin env name (`rollout.plugins`), a `module:attr` reference, or a sidecar
+    table, as an env factory (`ConfigError` otherwise). A sidecar starts on its first call."""
+    if isinstance(name, SidecarConfig):
+        return SidecarEnvFactory(Sidecar.from_config(name))
+    plugin = find_plugin("env", name)
+    if plugin is not None:
+        return plugin.load_callable()  # type: ignore[return-value]
     if is_ref(name):
         return load_ref(name, what="env")  # type: ignore[return-value]
-    raise ConfigError(
-        f"unknown env {name!r}: expected a built-in env ({', '.join(sorted(BUILTIN_ENVS))}) or a"
-        " 'module:attr' reference"
-    )
+    raise unknown_name_error("env", name, builtin_noun="env ")
 
 
 def reward_from_env(env_factory: EnvFactory, *, name: str = "env") -> RewardFn:

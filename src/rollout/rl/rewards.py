@@ -29,10 +29,12 @@ from typing import Any
 
 from rollout.errors import ConfigError
 from rollout.inference.types import Prompt
-from rollout.rl.builtins import BUILTIN_REWARDS
+from rollout.plugins import find_plugin, unknown_name_error
 from rollout.rl.math_answer import math_answers_match
 from rollout.rl.refs import is_ref, load_ref
 from rollout.rl.types import RewardFn, RewardSpec, RewardValues
+from rollout.sidecar import Sidecar, SidecarReward
+from rollout.sidecar_config import SidecarConfig
 from rollout.tasks.arithmetic import is_correct
 
 _NUMBER_ONLY = r"[-+]?\d+(?:\.\d+)?"
@@ -70,16 +72,17 @@ def _need_field(fn: str, field: str, values: list[Any] | None) -> list[Any]:
     return values
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """A built-in reward name or a `module:attr` reference, as a reward function (`ConfigError` otherwise)."""
-    if name in BUILTIN_REWARDS:
-        return load_ref(BUILTIN_REWARDS[name], what="reward function")  # type: ignore[return-value]
+def resolve_reward(name: str | SidecarConfig) -> RewardFn:
+    """A built-in or plugin reward name (`rollout.plugins`), a `module:attr` reference, or a sidecar
+    table, as a reward function (`ConfigError` otherwise). A sidecar starts on its first call."""
+    if isinstance(name, SidecarConfig):
+        return SidecarReward(Sidecar.from_config(name), name=name.label)
+    plugin = find_plugin("reward", name)
+    if plugin is not None:
+        return plugin.load_callable()  # type: ignore[return-value]
     if is_ref(name):
         return load_ref(name, what="reward function")  # type: ignore[return-value]
-    raise ConfigError(
-        f"unknown reward function {name!r}: expected a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) or a"
-        " 'module:attr' reference"
-    )
+    raise unknown_name_error("reward", name)
 
 
 # --- scoring --------------------------------------------------------------------------

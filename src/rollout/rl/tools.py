@@ -7,6 +7,9 @@
     messages += tool_messages(results)                       # {"role": "tool", "content": ...} each
     stats.record_episode(results)                            # -> tools/calls_per_episode, tools/error_rate
 
+`resolve_tools` also takes installed plugins' names (`rollout.plugins`) and sidecar tables,
+whose `describe` lists their tools and whose `tool.call` runs them (`rollout.sidecar`).
+
 A tool is a sync or async Python function; its JSON schema comes from the type
 hints (str, int, float, bool, list[T], dict[str, T], Literal[...], unions,
 `X | None`; a default makes a parameter optional) and the Google-style
@@ -52,9 +55,11 @@ from typing import Any, Literal
 
 from rollout.errors import ConfigError
 from rollout.inference.types import Message
-from rollout.rl.calc import calculator
+from rollout.plugins import find_plugin, unknown_name_error
 from rollout.rl.refs import is_ref, load_ref
 from rollout.rl.rewards import _in_daemon_thread
+from rollout.sidecar import Sidecar, SidecarError, call_sidecar_tool, tool_schemas
+from rollout.sidecar_config import SidecarConfig
 
 ToolErrorKind = Literal["unknown_tool", "bad_json", "bad_arguments", "tool_raised", "timeout"]
 JsonSchema = dict[str, Any]
@@ -214,29 +219,62 @@ def _is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
-
-
-def resolve_tools(refs: Sequence[str]) -> list[Tool]:
-    """Tools from built-in ids (`BUILTIN_TOOLS`) or `module:attr` references (a function or a `Tool`)."""
+def resolve_tools(refs: Sequence[str | SidecarConfig]) -> list[Tool]:
+    """Tools from built-in or plugin ids (`BUILTIN_TOOLS`, `rollout.plugins`), `module:attr`
+    references (a function or a `Tool`), or sidecar tables (every tool the sidecar's `describe` lists)."""
     tools: list[Tool] = []
     origin: dict[str, str] = {}
     for ref in refs:
-        if ref in BUILTIN_TOOLS:
-            tool = tool_from_function(BUILTIN_TOOLS[ref], name=ref)
-        elif is_ref(ref):
-            obj = load_ref(ref, what="tool")
-            tool = obj if isinstance(obj, Tool) else tool_from_function(obj)  # type: ignore[arg-type]
+        if isinstance(ref, SidecarConfig):
+            found, where = sidecar_tools(ref), ref.label
         else:
-            raise ConfigError(
-                f"unknown tool {ref!r}: expected a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) or a"
-                " 'module:attr' reference"
-            )
-        if tool.name in origin:
-            raise ConfigError(f"two tools are named {tool.name!r}: {origin[tool.name]!r} and {ref!r}")
-        origin[tool.name] = ref
-        tools.append(tool)
+            found, where = [_tool_of(ref)], ref
+        for tool in found:
+            if tool.name in origin:
+                raise ConfigError(f"two tools are named {tool.name!r}: {origin[tool.name]!r} and {where!r}")
+            origin[tool.name] = where
+            tools.append(tool)
     return tools
+
+
+def _tool_of(ref: str) -> Tool:
+    plugin = find_plugin("tool", ref)
+    if plugin is not None:
+        obj = plugin.load_callable()
+        if isinstance(obj, Tool):
+            return obj
+        return tool_from_function(obj, name=ref)  # type: ignore[arg-type]
+    if is_ref(ref):
+        obj = load_ref(ref, what="tool")
+        return obj if isinstance(obj, Tool) else tool_from_function(obj)  # type: ignore[arg-type]
+    raise unknown_name_error("tool", ref, builtin_noun="tool ")
+
+
+def sidecar_tools(cfg: SidecarConfig) -> list[Tool]:
+    """The tools a sidecar lists in `describe` (asked now: a tool's schema is needed up front);
+    each call is a `tool.call` to one shared process, started on the first call."""
+    sidecar = Sidecar.from_config(cfg)
+    try:
+        info = sidecar.describe_blocking()
+    except SidecarError as err:
+        raise ConfigError(f"tools from {cfg.label}: {err}") from None
+    if "tool" not in info["kinds"]:
+        raise ConfigError(f"{sidecar.who} serves no tools: its describe lists kinds {info['kinds']}")
+    # The sidecar's own timeout fires first (it restarts a hung process); this one only bounds a stuck start.
+    timeout_s = 2 * cfg.timeout_s + 5.0
+    return [
+        Tool(schema.name, schema.description, schema.parameters, _sidecar_tool_fn(sidecar, schema.name), True,
+             timeout_s)
+        for schema in tool_schemas(info)
+    ]
+
+
+def _sidecar_tool_fn(sidecar: Sidecar, name: str) -> Callable[..., Any]:
+    async def call(**arguments: Any) -> str:
+        return await call_sidecar_tool(sidecar, name, arguments)
+
+    call.__name__ = name
+    return call
 
 
 # --- parsing <tool_call> blocks ----------------------------------------------------------------

@@ -183,10 +183,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings) -> FastAPI:
         check_key(request, settings.api_key)
         body = parse_body(p.ChatBody, await read_json(request, settings.max_body_bytes))
         _check_common(body, settings)
-        if body.tools:
-            raise APIError(400, "tools are not supported yet", param="tools")
-        if body.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported yet", param="tool_choice")
+        tools = _check_tools(body.tools, body.tool_choice)
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise APIError(400, 'only response_format {"type": "text"} is supported', param="response_format")
         if body.top_logprobs and not body.logprobs:
@@ -203,6 +200,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings) -> FastAPI:
                 top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                 default_max=None,
                 param="messages",
+                tools=tools,
             )
         ]
         return await _respond(
@@ -257,6 +255,7 @@ class _Prepared:
     prompt: str | list[Message] | None
     prompt_ids: tuple[int, ...] | None
     params: SamplingParams
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 async def _prepare(
@@ -269,6 +268,7 @@ async def _prepare(
     top_logprobs: int,
     default_max: int | None,
     param: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> _Prepared:
     """Tokenize (off the event loop: prompts can be long) to check the context; build the sampling params."""
     ids: tuple[int, ...] | None = None
@@ -277,7 +277,10 @@ async def _prepare(
         ids = tuple(prompt)  # type: ignore[arg-type]
     elif local is not None:
         try:
-            ids = await asyncio.to_thread(local.tokenize, prompt)  # type: ignore[arg-type]
+            if tools:  # the chat template renders them (an engine's tokenize takes them as its 2nd argument)
+                ids = await asyncio.to_thread(local.tokenize, prompt, tools)  # type: ignore[arg-type,call-arg]
+            else:
+                ids = await asyncio.to_thread(local.tokenize, prompt)  # type: ignore[arg-type]
         except RolloutError as err:
             raise APIError(400, str(err), param=param) from None
     else:
@@ -318,7 +321,29 @@ async def _prepare(
         )
     except ConfigError as err:
         raise APIError(400, str(err)) from None
-    return _Prepared(text, ids, params)
+    return _Prepared(text, ids, params, tuple(tools or ()))
+
+
+def _check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> list[dict[str, Any]]:
+    """OpenAI function tools, rendered by the chat template; calls come back as the model wrote them.
+
+    The reply's `content` is the raw text (Hermes `<tool_call>` blocks included), as vLLM answers
+    without a tool parser: clients parse it (rollout's episode loop and eval do). `tool_choice`
+    "auto" / "none" only: nothing here can force a call.
+    """
+    if tool_choice not in (None, "none", "auto"):
+        raise APIError(400, 'tool_choice must be "auto" or "none" (a call cannot be forced)', param="tool_choice")
+    if not tools or tool_choice == "none":
+        return []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(
+                400, 'each tool must be {"type": "function", "function": {"name": ..., ...}}', param=f"tools[{i}]"
+            )
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(400, "function.parameters must be a JSON schema object", param=f"tools[{i}]")
+    return list(tools)
 
 
 def _check_common(body: p.CompletionBody | p.ChatBody, settings: ServerSettings) -> None:
@@ -376,6 +401,7 @@ async def _respond(
                 prompt=m.prompt,
                 prompt_token_ids=m.prompt_ids,
                 params=m.params,
+                tools=m.tools if m.tools and m.prompt_ids is None else None,  # else already rendered into the ids
                 on_token=on_token,
                 cancel=cancels[i],
             )

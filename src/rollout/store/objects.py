@@ -3,7 +3,9 @@
 A blob's name is the blake3 hex digest of its bytes, so a put is idempotent and
 every read can be verified. `FsObjectStore` lays blobs out as `root/ab/cd/abcd…`
 and never exposes a half-written file: bytes go to a temp file that is fsynced
-and atomically renamed into place, then the directory is fsynced.
+and atomically renamed into place, then the directory is fsynced. The bucket
+stores (`rollout.store.s3`, `rollout.store.gcs`) use the same layout under `bucket/prefix/`;
+`parse_bucket_url` checks their `s3://bucket/prefix` URLs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -23,6 +26,13 @@ from rollout.errors import BlobCorrupted, BlobNotFound, StorageError
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 _TMP_PREFIX = ".tmp-"
+_BUCKET_SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> object store backend
+_BUCKET_NAME = {
+    "s3": re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"),
+    "gs": re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]"),
+}
+_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
+_KEY_SEGMENT = re.compile(r"[A-Za-z0-9._=+-]+")
 
 
 class ObjectStore(Protocol):
@@ -60,6 +70,48 @@ def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise StorageError(f"invalid blob digest {digest!r}: expected 64 lowercase hex characters")
     return digest
+
+
+@dataclass(frozen=True)
+class BucketUrl:
+    """Where a bucket store keeps its blobs: `scheme://bucket/prefix` (prefix may be empty)."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    @property
+    def backend(self) -> str:
+        return _BUCKET_SCHEMES[self.scheme]
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def parse_bucket_url(url: str) -> BucketUrl:
+    """`s3://bucket/prefix` or `gs://bucket/prefix`, checked; ValueError says what is wrong.
+
+    Bucket names follow the providers' rules (3-63 lowercase letters, digits, `.`
+    and `-`, `_` too on GCS; no `..`, not an IP address); the prefix is `/`-separated
+    segments of `A-Z a-z 0-9 . _ = + -`, none of them empty, `.` or `..`.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _BUCKET_SCHEMES:
+        raise ValueError(f"must look like s3://bucket/prefix or gs://bucket/prefix (got {url!r})")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.removesuffix("/")
+    if not _BUCKET_NAME[scheme].fullmatch(bucket) or ".." in bucket or _IP_ADDRESS.fullmatch(bucket):
+        raise ValueError(
+            f"bucket name {bucket!r} is invalid: 3-63 lowercase letters, digits, '.' and '-'"
+            f"{' and _' if scheme == 'gs' else ''}, starting and ending with a letter or digit, no '..'"
+        )
+    for segment in prefix.split("/") if prefix else ():
+        if segment in (".", "..") or not _KEY_SEGMENT.fullmatch(segment):
+            raise ValueError(
+                f"prefix {prefix!r} is invalid: '/'-separated names of letters, digits and '._=+-', "
+                "none empty, '.' or '..'"
+            )
+    return BucketUrl(scheme, bucket, prefix)
 
 
 def hash_bytes(data: bytes) -> str:

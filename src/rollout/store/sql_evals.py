@@ -165,7 +165,10 @@ def crash_stale_evals(conn: sa.Connection, timeout_s: float) -> list[str]:
 
 
 def select_eval(conn: sa.Connection, eval_id: str) -> EvalRecord:
-    """By full id, or a unique prefix of >= 10 chars (any case), else `EvalNotFound`."""
+    """By full id, a unique prefix of >= 10 chars (any case), or a `--name` label (its newest eval).
+
+    Else `EvalNotFound`. Ids win: a name is looked up only when no id matches.
+    """
     row = conn.execute(sa.select(evals).where(evals.c.id == eval_id)).mappings().first()
     prefix = eval_id.strip().upper()
     if row is None and _ULID_PREFIX.fullmatch(prefix):
@@ -182,7 +185,10 @@ def select_eval(conn: sa.Connection, eval_id: str) -> EvalRecord:
             )
         row = rows[0] if rows else None
     if row is None:
-        raise EvalNotFound(f"eval not found: {eval_id}")
+        named = sa.select(evals).where(evals.c.name == eval_id)
+        row = conn.execute(named.order_by(evals.c.created_at.desc(), evals.c.id.desc()).limit(1)).mappings().first()
+    if row is None:
+        raise EvalNotFound(f"eval not found: {eval_id} (neither an eval id, a unique id prefix nor an eval name)")
     return _eval_from_row(row)
 
 

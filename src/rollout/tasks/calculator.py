@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import ConfigError
-from rollout.rl.tools import Tool, calculator, tool_from_function
+from rollout.rl.calc import calculator
+from rollout.rl.tools import Tool, tool_from_function
 from rollout.tasks.arithmetic import OPS, Problem, write_jsonl
 
 TOOL_NAME = "calculator"

@@ -1,0 +1,266 @@
+"""Reward models as RL rewards (`kind = "reward_model"`): the entry, exact scoring, normalisation,
+weights, snapshot ids and resume; and the classic pipeline SFT -> RM -> PPO-with-RM learning the
+held-out task as the verifiable checker measures it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import example_config
+
+from rollout.config import load_config
+from rollout.errors import ConfigError
+from rollout.store import open_store
+
+N = 4
+RM_GAIN = 0.15  # see the README's learning grid for the seeds measured
+SMALL = {
+    '"../local/models/sft-warmup"': '"../local/models/tiny"',
+    "minibatch_size = 16": "minibatch_size = 3",
+    "num_generations = 8": "num_generations = 2",
+    "max_tokens = 6": "max_tokens = 4",
+    "max_steps = 200": f"max_steps = {N}",
+    "every_steps = 50": f"every_steps = {N // 2}",
+    "keep_last = 3": "keep_last = 10",
+}
+CHAT = [{"role": "user", "content": "What is 3+4?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(workspace, tmp_path_factory):
+    """A reward-model folder shaped like an RM export: the tiny model with a fresh 1-logit head."""
+    from rollout.export import export_model_dir
+    from rollout.models.load import ModelSource, load_model, load_tokenizer
+
+    source = ModelSource(str(workspace / "models" / "tiny"))
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, task="reward", pad_token_id=tokenizer.pad_token_id, seed=7)
+    return export_model_dir(model, tokenizer, tmp_path_factory.mktemp("rm") / "rm")
+
+
+def _config(workspace, tmp_path, rm_dir, replace=None):
+    """ppo-rm-tiny.toml, small, with its RM at `rm_dir`."""
+    return example_config("ppo-rm-tiny.toml", workspace, tmp_path, {
+        **SMALL, '"../local/models/rm-tiny"': f'"{rm_dir}"', **(replace or {})})
+
+
+def _cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "rollout.cli.main", *args], capture_output=True, text=True, env=env)
+
+
+# --- the config entry -------------------------------------------------------------------
+
+
+def test_reward_entries_parse_by_kind_and_function_entries_keep_their_digest(workspace, tiny_rm, tmp_path):
+    cfg = load_config(_config(workspace, tmp_path, tiny_rm))
+    rm, correct = cfg.algorithm.settings.rewards
+    assert (rm.kind, rm.name, rm.model, rm.weight, rm.normalize, rm.batch_size) == (
+        "reward_model", "rm", tiny_rm, 1.0, "none", 128)
+    assert (correct.kind, correct.name, correct.weight) == ("function", "arithmetic_correct", 0.0)
+    dumped = cfg.model_dump(mode="json")["algorithm"]["ppo"]["rewards"]
+    assert dumped[1] == {"name": "arithmetic_correct", "weight": 0.0}  # no `kind`: old digests hold
+    explicit = load_config(_config(workspace, tmp_path / "b", tiny_rm, {
+        'name = "arithmetic_correct"': 'kind = "function"\nname = "arithmetic_correct"'}))
+    assert explicit.model_dump(mode="json")["algorithm"] == cfg.model_dump(mode="json")["algorithm"]
+
+
+def test_validate_accepts_a_reward_model_entry(workspace, tiny_rm, tmp_path):
+    out = _cli("validate", "--config", str(_config(workspace, tmp_path, tiny_rm)), "--no-data")
+    assert out.returncode == 0 and "config OK: algorithm=ppo" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize(("replace", "problem"), [
+    ({'model = "RM"': 'model = "../nowhere"'}, "no such folder"),
+    ({'model = "RM"': 'model = "TINY"'}, "not a reward model"),
+    ({'model = "RM"': 'snapshot = "not-hex"'}, "is not a snapshot id"),
+    ({'model = "RM"': 'model = "RM"\nsnapshot = "0123abcd"'}, "exactly one of model"),
+    ({'normalize = "none"': 'normalize = "whiten"'}, "normalize"),
+    ({'name = "rm"': 'name = "arithmetic_correct"'}, "names must be unique"),
+])
+def test_bad_reward_model_entries_fail_validate_with_exit_2(workspace, tiny_rm, tmp_path, replace, problem):
+    config = _config(workspace, tmp_path, tiny_rm)
+    text = config.read_text().replace(f'model = "{tiny_rm}"', 'model = "RM"')
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    config.write_text(text.replace('"RM"', f'"{tiny_rm}"').replace('"TINY"', f'"{workspace}/models/tiny"'))
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    message = "\n".join([str(info.value), *info.value.details])
+    where = "algorithm.ppo:" if "unique" in problem else "algorithm.ppo.rewards.0"
+    assert problem in message and where in message
+    out = _cli("validate", "--config", str(config), "--no-data")
+    assert out.returncode == 2 and problem in out.stderr and "Traceback" not in out.stderr
+
+
+# --- scoring ----------------------------------------------------------------------------
+
+
+def test_rm_reward_scores_exactly_as_the_rm_scores_its_pairs(tiny_rm):
+    """The reward renders prompt + completion as `rollout train rm` renders a pair's side, in batches
+    of any size: its scores are the RM's own scores of the same texts."""
+    import torch
+
+    from rollout.algorithms.rm import collate_pair_batch, score_sequences
+    from rollout.data.jsonl import Row
+    from rollout.data.tokenize import tokenize_pairs
+    from rollout.rl.reward_model import RewardModelReward, load_reward_model
+
+    rm = load_reward_model(tiny_rm, device=torch.device("cpu"), batch_size=2)
+    prompts = [CHAT, CHAT, "What is 1+1? ", [{"role": "user", "content": "What is 9+9?"}]]
+    chosen, rejected = ["7", "12", "2", "18"], ["8", " 7 and more", "11", "1"]
+    rows = [Row(i + 1, {"prompt": p, "chosen": [{"role": "assistant", "content": c}] if not isinstance(p, str) else c,
+                        "rejected": [{"role": "assistant", "content": r}] if not isinstance(p, str) else r})
+            for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected, strict=True))]
+    pairs, _ = tokenize_pairs(rows, rm.tokenizer, max_seq_len=512)
+    with torch.no_grad():
+        direct = score_sequences(rm.model, collate_pair_batch(pairs, [0.0] * 4, rm.tokenizer.pad_token_id).tokens)
+    scores = rm(prompts * 2, chosen + rejected)
+    assert scores == pytest.approx(direct.tolist(), abs=1e-5)
+    assert len(set(scores)) == 8  # a fresh head still tells the texts apart
+    assert load_reward_model(tiny_rm, device=torch.device("cpu"), batch_size=64)(prompts, chosen) == pytest.approx(
+        scores[:4], abs=1e-5)
+    assert not any(p.requires_grad for p in rm.model.parameters()) and not rm.model.training
+    grouped = RewardModelReward(rm.model, rm.tokenizer, device=torch.device("cpu"), normalize="group")
+    chat = [scores[i] for i in (0, 1, 4, 5)]  # the two CHAT prompts, twice: one group of four
+    expected = [s - sum(chat) / 4 for s in scores[:2]] + [(scores[2] - scores[6]) / 2, (scores[3] - scores[7]) / 2]
+    assert grouped(prompts * 2, chosen + rejected)[:4] == pytest.approx(expected, abs=1e-5)
+
+
+def test_normalisation_math():
+    from rollout.rl.reward_model import EPS, Moments, normalize_scores
+
+    assert normalize_scores([1.0, 3.0], "none", Moments()) == ([1.0, 3.0], Moments())
+    grouped, _ = normalize_scores([1.0, 3.0, 10.0, 20.0, 5.0, 2.0], "group", Moments(), ["a", "a", "b", "b", "c", "a"])
+    assert grouped == pytest.approx([-1.0, 1.0, -5.0, 5.0, 0.0, 0.0])  # minus the mean of the same prompt's scores
+    batch, moments = normalize_scores([1.0, 3.0, 5.0], "batch", Moments())
+    std = math.sqrt(8 / 3)
+    assert batch == pytest.approx([-2 / (std + EPS), 0.0, 2 / (std + EPS)]) and moments == Moments()
+    first, m1 = normalize_scores([1.0, 3.0], "running", Moments())
+    assert (m1.count, m1.mean, m1.std) == (2, 2.0, 1.0) and first == pytest.approx([-1 / (1 + EPS), 1 / (1 + EPS)])
+    second, m2 = normalize_scores([5.0, 7.0, 9.0], "running", m1)
+    values = [1.0, 3.0, 5.0, 7.0, 9.0]  # the running moments are those of every score so far
+    mean = sum(values) / 5
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 5)
+    assert (m2.count, m2.mean) == (5, pytest.approx(mean)) and m2.std == pytest.approx(std)
+    assert second == pytest.approx([(v - mean) / (std + EPS) for v in (5.0, 7.0, 9.0)])
+
+
+def test_rm_combines_with_other_rewards_by_weight(tiny_rm):
+    import torch
+
+    from rollout.algorithms.config import RewardModelSpec
+    from rollout.algorithms.config import RewardSpec as FunctionSpec
+    from rollout.algorithms.rl_common import resolve_reward_specs
+    from rollout.rl.rewards import score_batch
+
+    entries = [RewardModelSpec(kind="reward_model", model=tiny_rm, weight=0.5, normalize="batch"),
+               FunctionSpec(name="arithmetic_correct", weight=2.0)]
+    specs = resolve_reward_specs(entries, "arithmetic", device=torch.device("cpu"))
+    assert [(name, weight) for name, _, weight in specs] == [  # the raw score is logged, the normalised one weighs
+        ("rm", 0.0), ("rm_batch", 0.5), ("arithmetic_correct", 2.0), ("env:arithmetic", 1.0)]
+    completions = ["7", "8", "7 or 8"]
+    rewards, parts, failures = asyncio.run(score_batch(
+        specs, [CHAT] * 3, completions, {"answer": ["7"] * 3}, timeout_s=30.0))
+    raw = specs[1][1].score([CHAT] * 3, completions)
+    mean = sum(raw) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in raw) / 3)
+    for i, correct in enumerate([1.0, 0.0, 1.0]):
+        normalised = (raw[i] - mean) / (std + 1e-6)
+        assert parts[i]["rm"] == pytest.approx(raw[i], abs=1e-6)
+        assert parts[i]["rm_batch"] == pytest.approx(normalised, abs=1e-5)
+        assert rewards[i] == pytest.approx(0.5 * normalised + 2.0 * correct + correct, abs=1e-5)
+    assert failures == [None] * 3
+
+
+# --- in a run: snapshot ids, metrics, resume --------------------------------------------
+
+
+def test_ppo_with_an_rm_snapshot_logs_both_rewards_and_resumes_bit_identically(workspace, tmp_path):
+    """An RM given by snapshot id (a 2-step `train rm` in the same store), running normalisation
+    (its moments live in the snapshot): both rewards logged at every step; resume is exact."""
+    from rollout.algorithms.ppo import train_ppo
+    from rollout.algorithms.rm import train_rm
+    from rollout.checkpoint import read_train_state
+    from rollout.store import open_object_store
+
+    rm_cfg = load_config(example_config("rm-tiny.toml", workspace, tmp_path, {
+        '"../local/models/sft-tiny"': '"../local/models/tiny"', "max_steps = 400": "max_steps = 2",
+        "minibatch_size = 64": "minibatch_size = 4", "warmup_steps = 20": "warmup_steps = 0"}))
+    rm_snapshot = train_rm(rm_cfg).final_snapshot_id
+    config = example_config("ppo-rm-tiny.toml", workspace, tmp_path, {
+        **SMALL, 'model = "../local/models/rm-tiny"': f'snapshot = "{rm_snapshot[:12]}"',
+        'normalize = "none"': 'normalize = "running"'})
+    cfg = load_config(config)
+    full = train_ppo(cfg)
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    snaps = {s.step: s for s in store.list_snapshots(run_id=full.run_id, kind="train_state")}
+    metrics = {name: [m.value for m in store.read_metrics(full.run_id, name=name)]
+               for name in ("rollout/reward/rm", "rollout/reward/rm_running", "rollout/reward/arithmetic_correct",
+                            "rollout/reward_mean")}
+    store.close()
+    assert all(len(v) == N for v in metrics.values()), metrics
+    assert metrics["rollout/reward_mean"] == pytest.approx(metrics["rollout/reward/rm_running"])  # the RM alone trains
+    assert metrics["rollout/reward/rm"] != pytest.approx(metrics["rollout/reward/rm_running"])  # raw: logged beside
+    assert all(v in (0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0) for v in
+               [round(x * 6) / 6 for x in metrics["rollout/reward/arithmetic_correct"]])
+    moments = read_train_state(open_object_store("fs", path=cfg.storage.objects.path), snaps[N // 2])[1]["rewards"]
+    assert moments["rm_running"]["count"] == 2 * 3 * 2  # steps x prompts x completions scored by the mid-run snapshot
+    run_b = train_ppo(cfg, resume=snaps[N // 2].id).run_id
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    snap_b = next(s for s in store.list_snapshots(run_id=run_b, kind="train_state") if s.step == N)
+    rm_a = [m.value for m in store.read_metrics(full.run_id, name="rollout/reward/rm_running") if m.step > N // 2]
+    rm_b = [m.value for m in store.read_metrics(run_b, name="rollout/reward/rm_running")]
+    store.close()
+    for blob in ("model", "optimizer"):
+        assert snap_b.manifest["blobs"][blob]["digest"] == snaps[N].manifest["blobs"][blob]["digest"]
+    assert rm_a == rm_b  # normalised by the same running moments after the resume
+
+
+# --- learning ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_run, tmp_path_factory):
+    """SFT -> RM (from the SFT model) -> PPO from the warm-up SFT with the RM as its only training
+    reward; the held-out sampled accuracy, judged by the verifiable checker, rises."""
+    from rollout.algorithms.ppo import train_ppo
+    from rollout.algorithms.rm import train_rm
+    from rollout.algorithms.sft import train_sft
+    from rollout.inference.hf_engine import load_hf_engine
+    from rollout.inference.types import GenerationRequest, SamplingParams
+    from rollout.tasks.arithmetic import is_correct
+
+    rm_dir = tmp_path_factory.mktemp("rm")
+    train_rm(load_config(example_config("rm-tiny.toml", workspace, rm_dir, {
+        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"'})))
+    warm_dir = tmp_path_factory.mktemp("warmup")
+    train_sft(load_config(example_config("sft-warmup.toml", workspace, warm_dir,
+                                         {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'})))
+    rl_dir = tmp_path_factory.mktemp("ppo-rm")
+    cfg = load_config(example_config("ppo-rm-tiny.toml", workspace, rl_dir, {
+        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/rm-tiny"': f'"{rm_dir}/rm-export"',
+        '"../local/models/ppo-rm-tiny"': f'"{rl_dir}/model"'}))
+    result = train_ppo(cfg)
+    rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
+
+    def sampled_accuracy(path):
+        engine = load_hf_engine(str(path))
+        out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
+                              SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
+        return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
+
+    before, after = sampled_accuracy(warm_dir / "model"), sampled_accuracy(rl_dir / "model")
+    print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
+    assert after >= before + RM_GAIN
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    steps = {name: [m.step for m in store.read_metrics(result.run_id, name=name)]
+             for name in ("rollout/reward/rm", "rollout/reward/arithmetic_correct")}
+    store.close()
+    assert steps["rollout/reward/rm"] == steps["rollout/reward/arithmetic_correct"] == list(range(1, result.steps + 1))

@@ -1,0 +1,1 @@
+"""Test plugins for rollout (registered in pyproject.toml under `rollout.plugins`)."""
