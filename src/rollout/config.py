@@ -51,7 +51,9 @@ from rollout.eval.fields import (
 )
 from rollout.inference.config import InferenceConfig
 from rollout.rl.builtins import BUILTIN_ENVS
-from rollout.store.objects import parse_bucket_url
+
+if TYPE_CHECKING:
+    from rollout.store.objects import BucketUrl
 
 SCHEMA_VERSION = 1
 
@@ -69,6 +71,14 @@ class PostgresStorageConfig(StrictModel):
     """PostgreSQL metadata store."""
 
     dsn: str = Field(min_length=1, description="postgresql://user@host:port/db")
+
+
+def _parse_bucket_url(url: str) -> BucketUrl:
+    """`rollout.store.objects.parse_bucket_url`, imported only for a bucket (`validate` of an fs
+    config never loads the store package)."""
+    from rollout.store.objects import parse_bucket_url
+
+    return parse_bucket_url(url)
 
 
 class ObjectStorageConfig(StrictModel):
@@ -107,7 +117,7 @@ class ObjectStorageConfig(StrictModel):
     @classmethod
     def _url_names_a_bucket(cls, value: str | None) -> str | None:
         if value is not None:
-            parse_bucket_url(value)  # its ValueError says what is wrong
+            _parse_bucket_url(value)  # its ValueError says what is wrong
         return value
 
     @field_validator("endpoint_url")
@@ -128,7 +138,7 @@ class ObjectStorageConfig(StrictModel):
         elif self.url is None:
             scheme = "s3" if self.backend == "s3" else "gs"
             raise ValueError(f'backend = "{self.backend}" needs url = "{scheme}://bucket/prefix"')
-        elif parse_bucket_url(self.url).backend != self.backend:
+        elif _parse_bucket_url(self.url).backend != self.backend:
             raise ValueError(f'url {self.url!r} does not match backend = "{self.backend}"')
         return self
 

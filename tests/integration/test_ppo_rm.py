@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import example_config
@@ -30,6 +31,13 @@ SMALL = {
     "keep_last = 3": "keep_last = 10",
 }
 CHAT = [{"role": "user", "content": "What is 3+4?"}]
+ROOT = Path(__file__).resolve().parents[2]
+# The RM PPO trains against is rm-tiny.toml's with reward centring (Eisenstein et al., 2023): without
+# it the RM keeps per-answer offsets (prior-like: "15" over "3" whatever the question) that PPO
+# exploits; centred, its best answer is the right one far more often (see the README).
+_CENTRING = "center_rewards_coefficient = 0.01"
+RM_CENTRED = {} if _CENTRING in (ROOT / "examples" / "rm-tiny.toml").read_text() else {
+    'head = "bradley_terry"\n': f'head = "bradley_terry"\n{_CENTRING}\n'}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def test_reward_entries_parse_by_kind_and_function_entries_keep_their_digest(wor
     cfg = load_config(_config(workspace, tmp_path, tiny_rm))
     rm, correct = cfg.algorithm.settings.rewards
     assert (rm.kind, rm.name, rm.model, rm.weight, rm.normalize, rm.batch_size) == (
-        "reward_model", "rm", tiny_rm, 1.0, "none", 128)
+        "reward_model", "rm", tiny_rm, 1.0, "running", 128)
     assert (correct.kind, correct.name, correct.weight) == ("function", "arithmetic_correct", 0.0)
     dumped = cfg.model_dump(mode="json")["algorithm"]["ppo"]["rewards"]
     assert dumped[1] == {"name": "arithmetic_correct", "weight": 0.0}  # no `kind`: old digests hold
@@ -81,7 +89,7 @@ def test_validate_accepts_a_reward_model_entry(workspace, tiny_rm, tmp_path):
     ({'model = "RM"': 'model = "TINY"'}, "not a reward model"),
     ({'model = "RM"': 'snapshot = "not-hex"'}, "is not a snapshot id"),
     ({'model = "RM"': 'model = "RM"\nsnapshot = "0123abcd"'}, "exactly one of model"),
-    ({'normalize = "none"': 'normalize = "whiten"'}, "normalize"),
+    ({'normalize = "running"': 'normalize = "whiten"'}, "normalize"),
     ({'name = "rm"': 'name = "arithmetic_correct"'}, "names must be unique"),
 ])
 def test_bad_reward_model_entries_fail_validate_with_exit_2(workspace, tiny_rm, tmp_path, replace, problem):
@@ -195,8 +203,7 @@ def test_ppo_with_an_rm_snapshot_logs_both_rewards_and_resumes_bit_identically(w
         "minibatch_size = 64": "minibatch_size = 4", "warmup_steps = 20": "warmup_steps = 0"}))
     rm_snapshot = train_rm(rm_cfg).final_snapshot_id
     config = example_config("ppo-rm-tiny.toml", workspace, tmp_path, {
-        **SMALL, 'model = "../local/models/rm-tiny"': f'snapshot = "{rm_snapshot[:12]}"',
-        'normalize = "none"': 'normalize = "running"'})
+        **SMALL, 'model = "../local/models/rm-tiny"': f'snapshot = "{rm_snapshot[:12]}"'})
     cfg = load_config(config)
     full = train_ppo(cfg)
     store = open_store("embedded", path=cfg.storage.embedded.path)
@@ -239,7 +246,7 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_
 
     rm_dir = tmp_path_factory.mktemp("rm")
     train_rm(load_config(example_config("rm-tiny.toml", workspace, rm_dir, {
-        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"'})))
+        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"', **RM_CENTRED})))
     warm_dir = tmp_path_factory.mktemp("warmup")
     train_sft(load_config(example_config("sft-warmup.toml", workspace, warm_dir,
                                          {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'})))
@@ -260,7 +267,10 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_
     print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
     assert after >= before + RM_GAIN
     store = open_store("embedded", path=cfg.storage.embedded.path)
-    steps = {name: [m.step for m in store.read_metrics(result.run_id, name=name)]
-             for name in ("rollout/reward/rm", "rollout/reward/arithmetic_correct")}
+    logged = {name: store.read_metrics(result.run_id, name=f"rollout/reward/{name}")
+              for name in ("rm", "rm_running", "arithmetic_correct")}
     store.close()
-    assert steps["rollout/reward/rm"] == steps["rollout/reward/arithmetic_correct"] == list(range(1, result.steps + 1))
+    for metrics in logged.values():  # the RM's score beside the verifiable reward, at every step
+        assert [m.step for m in metrics] == list(range(1, result.steps + 1))
+    rm = [m.value for m in logged["rm"]]
+    assert sum(rm[-20:]) / 20 > sum(rm[:20]) / 20 + 0.5  # the RM's own score rises too

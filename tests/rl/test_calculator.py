@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollout.cli.main import main
-from rollout.data.jsonl import check_line
+from rollout.data.formats import check_line
 from rollout.errors import ConfigError
 from rollout.rl.calc import calculator
 from rollout.rl.calculator_env import CalculatorEnv, score
@@ -21,6 +21,7 @@ from rollout.rl.types import Env
 from rollout.tasks.arithmetic import Problem
 from rollout.tasks.calculator import (
     answer_from_text,
+    balance_answer_lengths,
     digits_range,
     is_correct,
     sft_trace,
@@ -71,6 +72,20 @@ def test_default_problems_are_3_by_2_digit_products_and_eval_is_held_out(tmp_pat
         assert 100 <= left <= 999 and 10 <= right <= 99
         assert row["answer"] == str(left * right)
         assert row["prompt"] == [{"role": "user", "content": f"What is {left}*{right}?"}]
+
+
+def test_sft_traces_come_in_equal_shares_per_answer_length(tmp_path: Path) -> None:
+    files = write_calculator_data(tmp_path, seed=0, n_sft=400, n_train=400, n_eval=100)
+    sft_lengths = [len(row["messages"][2]["content"]) for row in read(files["sft"])]
+    assert sft_lengths.count(4) == sft_lengths.count(5) == 200  # products 100..999 x 10..99: 4 or 5 digits
+    rl_lengths = [len(row["answer"]) for row in read(files["prompts"])]
+    assert 0.1 < rl_lengths.count(4) / len(rl_lengths) < 0.3  # RL prompts keep the natural mix (~20%)
+
+    pool = [Problem(a, "*", b) for a, b in ((100, 10), (500, 90), (101, 10), (999, 99), (102, 10))]
+    assert [len(str(p.answer)) for p in balance_answer_lengths(pool, 4)] == [4, 5, 4, 5]  # in turn
+    assert balance_answer_lengths(pool, 5)[-1] == Problem(102, "*", 10)  # 5 digits ran out: 4s go on
+    with pytest.raises(ConfigError, match="only 5 sft problems could be drawn, 6 asked"):
+        balance_answer_lengths(pool, 6)
 
 
 def test_a_tiny_problem_space_keeps_the_splits_apart(tmp_path: Path) -> None:

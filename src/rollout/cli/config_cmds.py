@@ -1,21 +1,29 @@
-"""`rollout validate` and `rollout schema`: config checks that never import torch."""
+"""`rollout validate` and `rollout schema`: config checks that never import torch.
+
+The config models (pydantic), the algorithm registry and the dataset readers are
+imported inside the functions: `rollout --help` and the commands that need no
+config never load them.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from rollout.algorithms.registry import ALGORITHMS
-from rollout.config import RunConfig, load_config
-from rollout.config_base import located_error
-from rollout.data.sources import check_dataset_exists, dataset_label, scan_dataset_source
 from rollout.errors import ModelError
+
+if TYPE_CHECKING:
+    from rollout.config import RunConfig
 
 
 def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
     """The dataset exists (and, with scan_lines, every line has the algorithm's shape)."""
+    from rollout.algorithms.registry import ALGORITHMS
+    from rollout.data.sources import check_dataset_exists, dataset_label, scan_dataset_source
+
     ds = cfg.algorithm.settings.dataset
     check_dataset_exists(ds)
     if not scan_lines:
@@ -28,6 +36,9 @@ def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
 def check_runtime(cfg: RunConfig, *, source: Path) -> None:
     """The algorithm runs on the configured backend and under the configured distribution
     (the registry lists what each algorithm implements)."""
+    from rollout.algorithms.registry import ALGORITHMS
+    from rollout.config_base import located_error
+
     spec = ALGORITHMS[cfg.algorithm.kind]
     for block, kind, implemented in (("backend", cfg.backend.kind, spec.backends),
                                      ("distributed", cfg.distributed.kind, spec.distributed)):
@@ -68,6 +79,8 @@ def check_eval(cfg: RunConfig, *, source: Path) -> str:
     """`[eval]`'s env resolves, its data exists, and every row it evaluates starts an episode."""
     if cfg.eval is None:
         return ""
+    from rollout.config_base import located_error
+
     if not cfg.eval.data.is_file():
         raise located_error(source, ["eval", "data"], f"not found: {cfg.eval.data}")
     # Imported here: the eval harness pulls in asyncio and the RL envs, which most configs never need.
@@ -82,6 +95,8 @@ def validate(
     no_data: bool = typer.Option(False, "--no-data", help="Skip scanning the dataset's lines."),
 ) -> None:
     """Parse and validate a run config and its dataset's lines (no model, no plugins)."""
+    from rollout.config import load_config
+
     cfg = load_config(config)
     check_runtime(cfg, source=config)
     data = check_dataset(cfg, scan_lines=not no_data)
@@ -94,6 +109,8 @@ def validate(
 
 def schema() -> None:
     """Print the JSON Schema of the run config."""
+    from rollout.config import RunConfig
+
     typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2, sort_keys=True))
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import typer
 
 from rollout.errors import ConfigError
-from rollout.tasks.arithmetic import write_arithmetic_dataset
 
 app = typer.Typer(help="Make datasets.", no_args_is_help=True)
 
@@ -48,6 +47,8 @@ def arithmetic(
     ),
 ) -> None:
     """Write the arithmetic task: sft, pref and prompts jsonl files plus their eval_ versions."""
+    from rollout.tasks.arithmetic import write_arithmetic_dataset
+
     written = write_arithmetic_dataset(
         out_dir,
         seed=seed,

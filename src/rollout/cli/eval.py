@@ -11,7 +11,8 @@ Every sample is a row in the store (written as it finishes) and, with `--output`
 line. Storage: `--dsn` or `--storage-path`, then the config's `[storage]` table, then
 `$ROLLOUT_STORAGE_PATH`, then ./rollout.db (created by an eval, never by list/show/compare).
 Only light imports here: torch loads after the arguments are parsed, and only for `--model`
-or `--snapshot` (an endpoint eval never imports it).
+or `--snapshot` (an endpoint eval never imports it); the eval config models and the store
+load inside the commands too.
 """
 
 from __future__ import annotations
@@ -46,22 +47,16 @@ from rollout.cli.snapshot import (
     print_tables,
     wants_json,
 )
-from rollout.config import StorageConfig
 from rollout.errors import ConfigError, StorageError
-from rollout.eval.config import (
-    TARGET_FIELDS,
-    EvalConfig,
-    build_eval_config,
-    read_eval_table,
-    read_storage_config,
-)
-from rollout.eval.metrics import EvalSummary
-from rollout.inference.types import InferenceEngine
-from rollout.store import Store, open_store
-from rollout.store.base import EvalRecord, EvalSampleRecord
 
-if TYPE_CHECKING:  # eval.harness, eval.compare and rl.envs load asyncio: imported by the commands that use them
+if TYPE_CHECKING:  # imported by the commands that use them (eval.harness, eval.compare, rl.envs load asyncio)
+    from rollout.config import StorageConfig
+    from rollout.eval.config import EvalConfig
     from rollout.eval.harness import EvalData
+    from rollout.eval.metrics import EvalSummary
+    from rollout.inference.types import InferenceEngine
+    from rollout.store import Store
+    from rollout.store.base import EvalRecord, EvalSampleRecord
 
 app = typer.Typer(
     help="Evaluate a model, snapshot or endpoint on an env: N samples per prompt, pass@k, pass^k, maj@k,"
@@ -290,6 +285,7 @@ def _one_format(as_json: bool, as_table: bool) -> None:
 
 
 def _start(given: dict[str, Any], *, api_key: str | None, flags: StorageFlags, as_json: bool) -> None:
+    from rollout.eval.config import TARGET_FIELDS, build_eval_config, read_eval_table
     from rollout.eval.harness import (
         check_rows_with_env,
         create_eval_record,
@@ -336,6 +332,7 @@ def _resume(
     as_json: bool,
     heartbeat_timeout: float,
 ) -> None:
+    from rollout.eval.config import EvalConfig, build_eval_config
     from rollout.eval.harness import check_resume, load_engine, load_eval_data, resolve_target
     from rollout.rl.envs import resolve_env
 
@@ -455,12 +452,16 @@ def _parse_ks(text: str | None) -> list[int] | None:
 
 def _storage_config(flags: StorageFlags) -> StorageConfig | None:
     """The `[storage]` table of the `--config` file, or None (an eval file needs no other table)."""
+    from rollout.eval.config import read_storage_config
+
     return None if flags.config is None else read_storage_config(flags.config)
 
 
 @contextmanager
 def _open_store(flags: StorageFlags, *, create: bool) -> Iterator[Store]:
     """The store the flags name; an eval creates a missing SQLite file, list/show/compare don't."""
+    from rollout.store import open_store
+
     dsn, path = flags.dsn, flags.storage_path
     if dsn is None and path is None:
         storage = _storage_config(flags)

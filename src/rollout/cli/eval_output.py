@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from rollout.cli.snapshot import RUN_ID_CHARS, format_age, format_time, key_value_table, new_table, plain
-from rollout.store.base import EvalRecord
 
 if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
+
+    from rollout.store.base import EvalRecord
 
 RESUMABLE = frozenset({"crashed", "failed", "cancelled"})
 _STATUS_STYLES = {"running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "yellow",

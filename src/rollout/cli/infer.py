@@ -7,8 +7,8 @@
 
 Run it again after an interruption (even `kill -9`): it keeps the finished
 lines and generates only the rest. Flags override the config's
-`[inference]` / `[inference.sampling]` values. Only light imports here; torch
-loads after the arguments are parsed.
+`[inference]` / `[inference.sampling]` values. Only light imports here; the
+inference config models and torch load after the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from rollout.cli.snapshot import (
     ObjectPathOption,
     StoragePathOption,
 )
-from rollout.inference.batch import check_output, read_batch_input, run_batch
-from rollout.inference.build import build_engine, resolve_engine_model
-from rollout.inference.config import load_inference_config, with_overrides
-from rollout.inference.types import SamplingParams
 
 app = typer.Typer(help="Offline inference.", no_args_is_help=True)
 
@@ -100,6 +96,11 @@ def batch(
     object_path: ObjectPathOption = None,
 ) -> None:
     """Generate completions for every line of --input into --output (resumable)."""
+    from rollout.inference.batch import check_output, read_batch_input, run_batch
+    from rollout.inference.build import build_engine, resolve_engine_model
+    from rollout.inference.config import load_inference_config, with_overrides
+    from rollout.inference.types import SamplingParams
+
     cfg = with_overrides(
         load_inference_config(config),
         engine=engine,

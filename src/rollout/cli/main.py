@@ -1,35 +1,111 @@
 """The `rollout` command line.
 
-Every sub-command module is imported here, so those modules must stay light:
-torch, transformers and friends are imported inside the command functions,
-which keeps `rollout --help`, `validate` and `train --dry-run` instant and
-working without torch installed.
+`rollout --help` imports every sub-command module (it lists their help), so
+those modules must stay light: torch, transformers and friends are imported
+inside the command functions, which keeps `rollout --help`, `validate` and
+`train --dry-run` instant and working without torch installed. So are the
+config models (pydantic), the stores and the inference and eval harnesses:
+`rollout --help` loads typer and rich only (tests/cli_e2e/test_cli_startup.py,
+benchmarks/startup.py).
+
+The rest is made on demand. Typer turns a command into a click command, with
+all its parameters, before anything is parsed. `_RolloutGroup` imports a
+sub-command's module and makes its command when that command is used
+(`rollout validate` imports `config_cmds` only), and a sub-command group's own
+commands are made only when that group is used (`_LazyCommands`).
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import sys
 import traceback
+from collections.abc import MutableMapping
+from typing import Any
 
-import click
 import typer
+import typer.main
+from typer.core import TyperGroup
 
 from rollout import __version__
-from rollout.cli import config_cmds, dashboard, data, infer, model, runs, serve, snapshot, train
-from rollout.cli import eval as eval_cli
-from rollout.cli import plan as plan_cli
-from rollout.cli import plugins as plugins_cli
 from rollout.errors import RolloutError
 
 # Recent typer vendors its own copy of click; catch both so usage errors exit 2, not 1.
+# click itself is not imported for that (it costs every start ~20 ms): only code that
+# imported it can raise its exceptions (an older typer does, and it imports click first).
 try:
     from typer._click.exceptions import ClickException as _TyperClickException
 except ImportError:  # older typer raises click's own exceptions
-    _TyperClickException = click.ClickException
-_EXIT = (click.exceptions.Exit, typer.Exit)
-_ABORT = (click.exceptions.Abort, typer.Abort)
-_CLICK_ERROR = (click.ClickException, _TyperClickException)
+    from click import ClickException as _TyperClickException
+
+
+def _click(name: str) -> tuple[type[BaseException], ...]:
+    """click's exception class `name` once click is imported; none before (none can be raised)."""
+    exceptions = sys.modules.get("click.exceptions")
+    return () if exceptions is None else (getattr(exceptions, name),)
+
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("config_cmds", "register"),
+    "schema": ("config_cmds", "register"),
+    "plan": ("plan", "register"),
+    "run": ("plan", "register"),
+    "serve": ("serve", "register"),
+    "dashboard": ("dashboard", "register"),
+    "train": ("train", "app"),
+    "model": ("model", "app"),
+    "data": ("data", "app"),
+    "snapshot": ("snapshot", "app"),
+    "runs": ("runs", "runs_app"),
+    "logs": ("runs", "logs_app"),
+    "infer": ("infer", "app"),
+    "eval": ("eval", "app"),
+    "plugins": ("plugins", "app"),
+}
+"""Every top-level command, in `rollout --help` order: the module under `rollout.cli` that makes it,
+and that module's `register(app)` function (it adds the command to `app`) or its sub-app."""
+
+
+class _RolloutGroup(TyperGroup):
+    """The top-level group: a command's module is imported, and its command made, when it is used.
+    Listing them (`rollout --help`, suggestions for a mistyped command) makes them all."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name in SUBCOMMANDS and cmd_name not in self._commands:
+            self._make(cmd_name)
+        return self._commands.get(cmd_name)
+
+    @property
+    def commands(self) -> MutableMapping[str, Any]:
+        if any(name not in self._commands for name in SUBCOMMANDS):
+            for name in SUBCOMMANDS:
+                if name not in self._commands:
+                    self._make(name)
+            # The listing's order; a command added to `app` itself (not in SUBCOMMANDS) comes last.
+            self._commands = {**{name: self._commands[name] for name in SUBCOMMANDS}, **self._commands}
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: MutableMapping[str, Any]) -> None:  # TyperGroup.__init__ sets it
+        self._commands = value
+
+    def _make(self, name: str) -> None:
+        module, attribute = SUBCOMMANDS[name]
+        made = _typer()
+        thing = getattr(importlib.import_module(f"rollout.cli.{module}"), attribute)
+        if attribute == "register":
+            thing(made)
+        else:
+            made.add_typer(_lazy(thing), name=name)
+        self._commands.update(typer.main.get_group(made).commands)
+
+
+def _no_options() -> None:
+    """The top-level group has no options of its own (typer makes a group only for an app that has
+    a callback or commands; the commands are `_RolloutGroup`'s)."""
+
 
 app = typer.Typer(
     name="rollout",
@@ -37,26 +113,52 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_RolloutGroup,
+    callback=_no_options,
 )
 
 
-def _register() -> None:
-    config_cmds.register(app)
-    plan_cli.register(app)
-    app.add_typer(train.app, name="train")
-    app.add_typer(model.app, name="model")
-    app.add_typer(data.app, name="data")
-    app.add_typer(snapshot.app, name="snapshot")
-    app.add_typer(runs.runs_app, name="runs")
-    app.add_typer(runs.logs_app, name="logs")
-    app.add_typer(infer.app, name="infer")
-    app.add_typer(eval_cli.app, name="eval")
-    app.add_typer(plugins_cli.app, name="plugins")
-    serve.register(app)
-    dashboard.register(app)
+def _typer() -> typer.Typer:
+    """An app to make commands in, with the settings the top-level app hands down to them."""
+    return typer.Typer(
+        rich_markup_mode=app.rich_markup_mode, pretty_exceptions_short=app.pretty_exceptions_short
+    )
 
 
-_register()
+class _LazyCommands(TyperGroup):
+    """A sub-command group whose commands typer makes on first use of `commands` (listing,
+    resolving or suggesting a sub-command all go through it). `_lazy` binds `source`."""
+
+    source: typer.Typer
+    """The sub-app whose registered commands (and groups) this group holds."""
+
+    @property
+    def commands(self) -> MutableMapping[str, Any]:
+        if not self._made:
+            self._made = True
+            made = _typer()
+            made.registered_commands = self.source.registered_commands
+            made.registered_groups = self.source.registered_groups
+            self._commands.update(typer.main.get_group(made).commands)
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: MutableMapping[str, Any]) -> None:  # TyperGroup.__init__ sets it
+        self._commands = value
+        self._made = False
+
+
+def _lazy(sub: typer.Typer) -> typer.Typer:
+    """`sub` with its commands made when it is used; its own help, options and callback stay.
+    A sub-app with no commands registered (`train`: they come from the algorithm registry, on
+    demand) is returned as it is."""
+    if not sub.registered_commands and not sub.registered_groups:
+        return sub
+    lazy = copy.copy(sub)
+    lazy.registered_commands, lazy.registered_groups = [], []
+    lazy.info = copy.copy(sub.info)
+    lazy.info.cls = type("LazyCommands", (_LazyCommands,), {"source": sub})
+    return lazy
 
 
 def report_error(err: RolloutError) -> None:
@@ -75,12 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutError as err:
         report_error(err)
         sys.exit(2)
-    except _EXIT as ex:
+    except (*_click("Exit"), typer.Exit) as ex:
         sys.exit(ex.exit_code)
-    except _ABORT:
+    except (*_click("Abort"), typer.Abort):
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except _CLICK_ERROR as ex:  # usage errors: exit 2 like click does
+    except (*_click("ClickException"), _TyperClickException) as ex:  # usage errors: exit 2 like click does
         ex.show()
         sys.exit(ex.exit_code)
     except KeyboardInterrupt:

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import typer
 
-from rollout.models.tiny import count_saved_parameters, init_tiny_model
-
 app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 
 
@@ -34,6 +32,8 @@ def init_tiny(
     force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT_DIR."),
 ) -> None:
     """Write a tiny random model + locally trained tokenizer (deterministic, offline)."""
+    from rollout.models.tiny import count_saved_parameters, init_tiny_model
+
     started = time.perf_counter()
     path = init_tiny_model(
         out_dir,

@@ -47,11 +47,12 @@ from rollout.cli.snapshot import (
     snapshots_table,
     wants_json,
 )
-from rollout.store import TERMINAL_RUN_STATUSES, EventRecord, RunRecord, RunSummary, SnapshotRecord, Store
 
 if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
+
+    from rollout.store import EventRecord, RunRecord, RunSummary, SnapshotRecord, Store
 
 runs_app = typer.Typer(help="Runs with status, timings and final metrics.", no_args_is_help=True)
 logs_app = typer.Typer(help="A run's structured events.", no_args_is_help=True)
@@ -160,6 +161,8 @@ def tail_command(
     config: ConfigOption = None,
 ) -> None:
     """Print a run's events as JSON lines (the same shape as the run's events.jsonl)."""
+    from rollout.store import TERMINAL_RUN_STATUSES
+
     with (
         open_metadata_store(StorageFlags(storage_path=storage_path, dsn=dsn, config=config)) as store,
         _quiet_on_closed_pipe(),

@@ -21,8 +21,6 @@ import typer
 from rollout.cli.infer import ConfigOption, DtypeOption, ModelOption, ThreadsOption, storage_locations
 from rollout.cli.snapshot import ObjectPathOption, StoragePathOption
 from rollout.errors import ConfigError, RolloutError
-from rollout.inference.build import build_engine, resolve_engine_model
-from rollout.inference.config import load_inference_config, with_overrides
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -62,6 +60,9 @@ def serve(
     object_path: ObjectPathOption = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
+    from rollout.inference.build import build_engine, resolve_engine_model
+    from rollout.inference.config import load_inference_config, with_overrides
+
     cfg = with_overrides(
         load_inference_config(config),
         dtype=dtype,

@@ -15,7 +15,8 @@ object store (`[storage.objects] backend = "s3"` or `"gcs"`) comes from `--confi
 This module also holds the table helpers `rollout runs` shares: listings print
 rich tables on a terminal and exactly the JSON shapes scripts rely on otherwise.
 
-Only light imports at module level (SPEC section 2: `rollout --help` is instant).
+Only light imports at module level (SPEC section 2: `rollout --help` is instant): the
+store, the config models and the snapshot helpers are imported inside the commands.
 """
 
 from __future__ import annotations
@@ -32,15 +33,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rollout.config import StorageConfig, load_config
 from rollout.errors import StorageError
-from rollout.export import export_snapshot
-from rollout.snapshots import collect_garbage, prune_snapshots
-from rollout.store import ObjectStore, SnapshotRecord, Store, open_object_store, open_store
 
 if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
+
+    from rollout.config import StorageConfig
+    from rollout.store import ObjectStore, SnapshotRecord, Store
 
 app = typer.Typer(help="Manage snapshots (list, show, prune, gc, export).", no_args_is_help=True)
 
@@ -85,6 +85,8 @@ class StorageFlags:
 @contextmanager
 def open_metadata_store(flags: StorageFlags) -> Iterator[Store]:
     """The existing metadata store the flags point at (never creates one); closed on exit."""
+    from rollout.store import open_store
+
     dsn, path = _resolve_metadata_location(flags)
     if dsn is not None:
         store = open_store("postgres", dsn=dsn)
@@ -102,6 +104,8 @@ def open_metadata_store(flags: StorageFlags) -> Iterator[Store]:
 def open_existing_object_store(flags: StorageFlags) -> ObjectStore:
     """The existing object store the flags point at (never creates one): a folder, or the config's
     s3 / gcs bucket (credentials from the provider's usual chain)."""
+    from rollout.store import open_object_store
+
     if flags.object_path is not None:
         path = flags.object_path
     elif flags.config is not None:
@@ -282,6 +286,8 @@ def prune_command(
     config: ConfigOption = None,
 ) -> None:
     """Delete a run's older snapshot rows (blobs go with `snapshot gc`)."""
+    from rollout.snapshots import prune_snapshots
+
     with open_metadata_store(StorageFlags(storage_path, object_path, dsn, config)) as store:
         pruned = prune_snapshots(store, run_id=run_id, keep_last=keep_last, keep_labeled=keep_labeled)
     typer.echo(f"pruned {pruned} snapshots")
@@ -295,6 +301,8 @@ def gc_command(
     config: ConfigOption = None,
 ) -> None:
     """Delete blobs that no snapshot references (don't run it while a run is saving a snapshot)."""
+    from rollout.snapshots import collect_garbage
+
     flags = StorageFlags(storage_path, object_path, dsn, config)
     objects = open_existing_object_store(flags)
     with open_metadata_store(flags) as store:
@@ -314,6 +322,8 @@ def export_command(
     config: ConfigOption = None,
 ) -> None:
     """Write a train_state snapshot as a Hugging Face-loadable model directory."""
+    from rollout.export import export_snapshot
+
     flags = StorageFlags(storage_path, object_path, dsn, config)
     with open_metadata_store(flags) as store:
         record = store.get_snapshot(snapshot_id)
@@ -381,4 +391,6 @@ def _resolve_metadata_location(flags: StorageFlags) -> tuple[str | None, Path | 
 
 
 def _load_storage_config(config: Path) -> StorageConfig:
+    from rollout.config import load_config
+
     return load_config(Path(config)).storage

@@ -1,18 +1,25 @@
-"""`rollout train <kind> --config F [--resume ID] [--dry-run]`, one sub-command per registered algorithm."""
+"""`rollout train <kind> --config F [--resume ID] [--dry-run]`, one sub-command per registered algorithm.
+
+The sub-commands come from the algorithm registry, which builds the config models
+and scans the installed plugins: `_AlgorithmGroup` makes them the first time the
+`train` group is asked for its commands, so `rollout --help` and the other commands
+never import the registry (or pydantic).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+from typer.core import TyperGroup
 
-from rollout.algorithms.registry import ALGORITHMS, TrainResult
-from rollout.cli.config_cmds import check_dataset, check_eval, check_model_path, check_plugins, check_runtime
-from rollout.config import RunConfig, load_config
 from rollout.errors import ConfigError
 
-app = typer.Typer(help="Plan and run a training job in one go.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from rollout.algorithms.registry import TrainResult
+    from rollout.config import RunConfig
 
 CONFIG = typer.Option(..., "--config", "-c", help="Run config (TOML).")
 RESUME = typer.Option(None, "--resume", help="Snapshot id (or unique prefix of >= 8 hex chars) to resume from.")
@@ -20,6 +27,15 @@ DRY_RUN = typer.Option(False, "--dry-run", help="Check config, algorithm kind an
 
 
 def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
+    from rollout.cli.config_cmds import (
+        check_dataset,
+        check_eval,
+        check_model_path,
+        check_plugins,
+        check_runtime,
+    )
+    from rollout.config import load_config
+
     cfg = load_config(config)
     if cfg.algorithm.kind != kind:
         raise ConfigError(
@@ -41,6 +57,8 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
 def run_training(cfg: RunConfig, resume: str | None) -> TrainResult:
     """Run a checked config through its algorithm's recipe and print the summary
     (`rollout train <kind>` and `rollout run --plan` both end here)."""
+    from rollout.algorithms.registry import ALGORITHMS
+
     s = cfg.algorithm.settings
     train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
@@ -63,5 +81,26 @@ def _command(kind: str) -> Callable[..., None]:
     return command
 
 
-for _spec in ALGORITHMS.values():
-    app.command(_spec.kind, help=_spec.summary)(_command(_spec.kind))
+class _AlgorithmGroup(TyperGroup):
+    """The `train` group: its commands, one per algorithm, are made on first use of `commands`
+    (listing, resolving or suggesting a sub-command all go through it)."""
+
+    @property
+    def commands(self) -> MutableMapping[str, Any]:
+        if not self._algorithms_added:
+            self._algorithms_added = True
+            from rollout.algorithms.registry import ALGORITHMS
+
+            algorithms = typer.Typer()
+            for spec in ALGORITHMS.values():
+                algorithms.command(spec.kind, help=spec.summary)(_command(spec.kind))
+            self._commands.update(typer.main.get_group(algorithms).commands)
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: MutableMapping[str, Any]) -> None:  # TyperGroup.__init__ sets it
+        self._commands = value
+        self._algorithms_added = False
+
+
+app = typer.Typer(help="Plan and run a training job in one go.", no_args_is_help=True, cls=_AlgorithmGroup)

@@ -148,6 +148,31 @@ def draw_train_problems(
     return out
 
 
+def balance_answer_lengths(pool: Sequence[Problem], count: int) -> list[Problem]:
+    """`count` problems of `pool` taking each answer length (in characters) in turn, in pool order.
+
+    With natural draws 4-digit products are ~20% of 3-digit x 2-digit ones, and a tiny model
+    trained on them copies 5-digit tool results and garbles every 4-digit one (held-out pass@1
+    stuck at ~0.78 = the 5-digit share). Equal shares make it copy by content, not by position.
+    A length whose problems run out drops out of the rotation.
+    """
+    by_length: dict[int, list[Problem]] = {}
+    for problem in pool:
+        by_length.setdefault(len(str(problem.answer)), []).append(problem)
+    queues = [iter(by_length[k]) for k in sorted(by_length)]
+    out: list[Problem] = []
+    while len(out) < count and queues:
+        for queue in list(queues):
+            problem = next(queue, None)
+            if problem is None:
+                queues.remove(queue)
+            elif len(out) < count:
+                out.append(problem)
+    if len(out) < count:
+        raise ConfigError(f"only {len(out)} sft problems could be drawn, {count} asked")
+    return out
+
+
 def write_calculator_data(
     out_dir: Path,
     *,
@@ -163,7 +188,8 @@ def write_calculator_data(
 
     Eval problems come from `random.Random(f"{seed}:eval")`, sft ones from
     `f"{seed}:sft"` and RL ones from `f"{seed}:train"`; sft and train draws
-    skip every eval problem.
+    skip every eval problem. SFT traces come in equal shares per answer length
+    (`balance_answer_lengths`); RL and eval prompts keep the natural mix.
     """
     for name, count in (("n_sft", n_sft), ("n_train", n_train), ("n_eval", n_eval)):
         if count < 1:
@@ -177,7 +203,9 @@ def write_calculator_data(
     ranges: dict[str, Any] = {"left": left, "right": right, "ops": ops}
     eval_problems = draw_eval_problems(random.Random(f"{seed}:eval"), n_eval, **ranges)
     held_out = set(eval_problems)
-    sft_problems = draw_train_problems(random.Random(f"{seed}:sft"), n_sft, **ranges, exclude=held_out)
+    sft_problems = balance_answer_lengths(
+        draw_train_problems(random.Random(f"{seed}:sft"), 8 * n_sft, **ranges, exclude=held_out), n_sft
+    )
     train_problems = draw_train_problems(random.Random(f"{seed}:train"), n_train, **ranges, exclude=held_out)
 
     files = {

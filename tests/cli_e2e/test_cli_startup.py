@@ -1,0 +1,167 @@
+"""`rollout --help` and `rollout validate` start fast: what they import.
+
+Start-up time is mostly import time, and timings on a shared machine are noise, so
+these tests pin the modules instead. `--help` loads typer and rich and the CLI's own
+modules: no config models (pydantic), no store, no entry-point scan, no asyncio, no
+server and no ML library. `validate` and `train --dry-run` add the config models and
+the dataset readers, and import only the CLI module of their own command.
+`benchmarks/startup.py` times them (target: under 0.3 s each).
+
+    HF_HUB_OFFLINE=1 .venv/bin/pytest tests/cli_e2e/test_cli_startup.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from cli_e2e_helpers import assert_ok, run_cli_side_by_side, run_python
+
+from rollout.cli.main import SUBCOMMANDS
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+HEAVY = (
+    "torch", "transformers", "safetensors", "tokenizers", "numpy", "datasets",
+    "sqlalchemy", "boto3", "fastapi", "uvicorn",
+)  # fmt: skip
+"""Never imported by `--help`, `validate` or `train --dry-run`."""
+
+NOT_FOR_HELP = (
+    *HEAVY, "pydantic", "asyncio", "importlib.metadata",
+    "rollout.config", "rollout.algorithms", "rollout.plugins", "rollout.store", "rollout.inference",
+    "rollout.eval", "rollout.rl", "rollout.data", "rollout.models", "rollout.tasks",
+)  # fmt: skip
+"""Not imported by `rollout --help`: the config models, the plugin scan, stores, harnesses, ML."""
+
+
+def run_main(*argvs: list[str]) -> tuple[list[dict], set[str]]:
+    """Call `rollout.cli.main.main(argv)` for each argv in one fresh interpreter; returns each call's
+    exit code and stdout, and every module imported by the end."""
+    code = f"""
+import contextlib, io, json, sys
+from rollout.cli.main import main
+calls = []
+for argv in {json.dumps(list(argvs))}:
+    out, err = io.StringIO(), io.StringIO()
+    exit_code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(argv)
+    except SystemExit as exit:
+        exit_code = exit.code
+    calls.append({{"code": exit_code, "stdout": out.getvalue(), "stderr": err.getvalue()}})
+print(json.dumps({{"calls": calls, "modules": sorted(sys.modules)}}))
+"""
+    result = run_python(code)
+    assert_ok(result)
+    found = json.loads(result.stdout.splitlines()[-1])
+    return found["calls"], set(found["modules"])
+
+
+def loaded(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    """The `names` imported: a package counts if it or any of its submodules is."""
+    return [n for n in names if any(m == n or m.startswith(f"{n}.") for m in modules)]
+
+
+def example_config(name: str, tmp_path: Path, arith_data: dict[str, Path]) -> Path:
+    """examples/NAME with its `../local/` paths under tmp_path and the arithmetic data of the
+    session fixture. `validate` reads the config and the dataset, not the model folder."""
+    text = (EXAMPLES / name).read_text(encoding="utf-8")
+    text = text.replace("../local/data/arithmetic/", f"{arith_data['sft'].parent}/")
+    config = tmp_path / name
+    config.write_text(text.replace("../local/", f"{tmp_path}/"), encoding="utf-8")
+    return config
+
+
+@pytest.mark.parametrize("argv", [["--help"], []], ids=["--help", "no-args"])
+def test_help_imports_typer_rich_and_the_cli_only(argv):
+    [call], modules = run_main(argv)
+    assert call["code"] == (0 if argv else 2)
+    assert "Usage: rollout [OPTIONS] COMMAND [ARGS]..." in call["stdout"] + call["stderr"]
+    assert loaded(modules, NOT_FOR_HELP) == []
+    assert {"typer", "rich", "rollout.cli.main", "rollout.cli.config_cmds", "rollout.cli.eval"} <= modules
+
+
+def test_help_lists_every_command_in_order():
+    [call], _ = run_main(["--help"])
+    positions = [call["stdout"].find(f"│ {name} ") for name in SUBCOMMANDS]
+    assert -1 not in positions, call["stdout"]
+    assert positions == sorted(positions)
+
+
+def test_group_help_imports_no_store_or_ml_library():
+    """A sub-command's help builds that command's click parameters only (typer itself loads
+    pydantic to coerce them): still no config model, store, server or ML library."""
+    argvs = [["snapshot", "--help"], ["runs", "list", "--help"], ["eval", "--help"], ["serve", "--help"],
+             ["dashboard", "--help"], ["infer", "batch", "--help"], ["logs", "tail", "--help"]]  # fmt: skip
+    calls, modules = run_main(*argvs)
+    for argv, call in zip(argvs, calls, strict=True):
+        assert call["code"] == 0, (argv, call)
+        assert call["stdout"].lstrip().startswith(f"Usage: rollout {' '.join(argv[:-1])} "), call["stdout"]
+    assert loaded(modules, (*HEAVY, "rollout.config", "rollout.store", "rollout.inference.batch")) == []
+
+
+def test_validate_imports_the_config_models_but_no_store_or_ml_library(tmp_path, arith_data):
+    config = example_config("sft-tiny.toml", tmp_path, arith_data)
+    [call], modules = run_main(["validate", "--config", str(config)])
+    assert call["code"] == 0, call
+    assert call["stdout"] == (
+        f"config OK: algorithm=sft model={tmp_path.resolve()}/models/tiny dataset={arith_data['sft']} lines=64\n"
+    )
+    assert loaded(modules, (*HEAVY, "asyncio", "rollout.store", "rollout.inference.batch")) == []
+    assert {"pydantic", "rollout.config", "rollout.data.jsonl"} <= modules
+    # The other commands' modules stay unimported.
+    assert {m for m in modules if m.startswith("rollout.cli")} == {
+        "rollout.cli", "rollout.cli.main", "rollout.cli.config_cmds"
+    }
+
+
+def test_validate_of_an_rl_config_imports_no_ml_library(tmp_path, arith_data):
+    """RL configs resolve their reward functions and env (asyncio comes with the RL harness)."""
+    config = example_config("grpo-tiny.toml", tmp_path, arith_data)
+    [call], modules = run_main(["validate", "--config", str(config)])
+    assert call["code"] == 0, call
+    assert call["stdout"].startswith("config OK: algorithm=grpo "), call["stdout"]
+    assert "rollout.rl.rewards" in modules
+    assert loaded(modules, (*HEAVY, "rollout.store")) == []
+
+
+def test_dry_run_imports_only_its_own_cli_modules(tmp_path, arith_data):
+    config = example_config("sft-tiny.toml", tmp_path, arith_data)
+    [call], modules = run_main(["train", "sft", "--config", str(config), "--dry-run"])
+    assert call["code"] == 0, call
+    assert call["stdout"].startswith("dry-run OK: algorithm=sft "), call["stdout"]
+    assert loaded(modules, (*HEAVY, "asyncio", "rollout.store")) == []
+    assert {m for m in modules if m.startswith("rollout.cli")} == {
+        "rollout.cli", "rollout.cli.main", "rollout.cli.train", "rollout.cli.config_cmds"
+    }
+
+
+def test_mistyped_commands_are_still_suggested():
+    """Commands are made on demand; a typo still gets the closest name, at every level."""
+    results = run_cli_side_by_side(["valdate"], ["train", "sfx"], ["snapshot", "lst"])
+    expected = ["'valdate'. Did you mean 'validate'?", "'sfx'. Did you mean 'sft'?", "'lst'. Did you mean 'list'?"]
+    for result, suggestion in zip(results, expected, strict=True):
+        assert result.returncode == 2, result.stderr
+        assert f"Error: No such command {suggestion}" in result.stderr
+
+
+def test_subcommands_table_names_what_each_module_makes():
+    """`SUBCOMMANDS` (what `rollout` lists and where it finds each command) agrees with the modules:
+    a command a module registers but the table misses would never be found."""
+    import importlib
+
+    for module_name in sorted({module for module, _ in SUBCOMMANDS.values()}):
+        module = importlib.import_module(f"rollout.cli.{module_name}")
+        listed = {name: attr for name, (mod, attr) in SUBCOMMANDS.items() if mod == module_name}
+        if "register" in listed.values():
+            app = typer.Typer()
+            module.register(app)
+            registered = {info.name for info in app.registered_commands}
+            assert registered == {name for name, attr in listed.items() if attr == "register"}, module_name
+        for name, attr in listed.items():
+            if attr != "register":
+                assert isinstance(getattr(module, attr), typer.Typer), (name, attr)
