@@ -144,7 +144,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     )
     backend = build_torch_backend(
         model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
-        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), dist=ctx.dist,
     )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)
@@ -164,11 +164,11 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
-                idx = [r[0].sample for r in rows_]
+                idx = [r[0].sample for r in ctx.dist.shard(rows_)]  # this rank's slice (all of it locally)
                 tokens, n, shared = collate_pair_batch([pairs[i] for i in idx], pad_id, device)
                 ref_lp = reference_logps(ref, tokens, idx, len(pairs), average=average, shared=shared)
                 batches.append(DPOBatch(tokens=tokens, num_pairs=n, ref_logps=ref_lp.to(device), shared=shared))
-            normalizer = float(sum(b.num_pairs for b in batches))
+            normalizer = ctx.dist.sum([sum(b.num_pairs for b in batches)])[0]  # every rank's pairs
             loss_fn = make_dpo_loss_fn(s, normalizer)
             agg: dict[str, float] = {}
             for b in batches:
@@ -176,7 +176,9 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
                     agg[k] = agg.get(k, 0.0) + v
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.tokens.num_tokens for b in batches)
+            names = sorted(agg)
+            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.tokens.num_tokens for b in batches)])
+            agg, step_tokens = dict(zip(names, sums, strict=True)), int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = agg["loss_sum"] / normalizer

@@ -105,7 +105,7 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
     )
     backend = build_torch_backend(
         model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
-        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), dist=ctx.dist,
     )
     static_blobs = model_file_blobs(model, tokenizer)
 
@@ -129,11 +129,12 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
+                rows_ = ctx.dist.shard(rows_)  # this rank's slice of the global micro-batch (all of it locally)
                 if s.packing.kind == "off":
                     batches.append(collate_padded([samples[r[0].sample] for r in rows_], pad_id))
                 else:
                     batches.append(collate_packed(rows_, samples, pad_id))
-            normalizer = sum(count_targets(b) for b in batches)
+            normalizer = int(ctx.dist.sum([sum(count_targets(b) for b in batches)])[0])  # every rank's targets
             if normalizer == 0:
                 raise AlgorithmError(f"step {loop.step + 1}: no loss tokens in the batch (check loss_on)")
             loss_fn = make_sft_loss_fn(normalizer)
@@ -142,7 +143,8 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
                 loss_sum += (await backend.forward_backward(b, loss_fn))["loss_sum"]
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.num_tokens for b in batches)
+            loss_sum, step_tokens = ctx.dist.sum([loss_sum, sum(b.num_tokens for b in batches)])
+            step_tokens = int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = loss_sum / normalizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import typer
 from rollout.algorithms.registry import ALGORITHMS
 from rollout.cli.config_cmds import check_dataset, check_eval, check_model_path, check_plugins, check_runtime
 from rollout.config import load_config
+from rollout.distributed import launch_torchrun, under_launcher
 from rollout.errors import ConfigError
 
 app = typer.Typer(help="Plan and run a training job in one go.", no_args_is_help=True)
@@ -37,8 +39,13 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_model_path(cfg)
     check_plugins(cfg)
     check_eval(cfg, source=config)
+    if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
+        args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
+        raise typer.Exit(launch_torchrun(cfg, args))
     train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 reports the run
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
     typer.echo(f"run {result.run_id} succeeded after {result.steps} steps")
     typer.echo(f"final snapshot {result.final_snapshot_id}")
