@@ -470,6 +470,10 @@ class DistributedBackend:
                 set_optimizer_state_dict,
             )
 
+            # The ranks scatter tensor by tensor in the dict's order, so every rank must use the same
+            # one: the model's (safetensors' `load` order differs between processes).
+            order = list(self.model.state_dict())
+            model_tensors = {k: model_tensors[k] for k in order if k in model_tensors} | model_tensors
             options = StateDictOptions(full_state_dict=True, strict=True)
             set_model_state_dict(self.model, model_tensors, options=options)
             set_optimizer_state_dict(self.model, self.optimizer, self._by_name(opt_state), options=options)
@@ -509,8 +513,9 @@ class DistributedBackend:
 
     def _by_name(self, opt_state: Mapping[str, Any]) -> dict[str, Any]:
         names = self._param_names()
+        state = opt_state["state"]  # in one order on every rank (tensors are scattered in dict order)
         return {
-            "state": {names[int(i)]: value for i, value in opt_state["state"].items()},
+            "state": {names[int(i)]: dict(sorted(state[i].items())) for i in sorted(state, key=int)},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in opt_state["param_groups"]],
         }
 

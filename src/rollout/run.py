@@ -194,8 +194,12 @@ def _peer_failures(dist: Distributed) -> Iterator[None]:
 
     try:
         yield
-    except tdist.DistError as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    except RuntimeError as err:
+        text = str(err).strip()
+        # gloo reports a dead peer as a plain RuntimeError ("[.../gloo/...] Connection reset by peer")
+        if not isinstance(err, tdist.DistError) and not any(w in text.lower() for w in ("gloo", "nccl")):
+            raise
+        first = (text.splitlines() or [type(err).__name__])[0]
         raise DistributedError(f"rank {dist.rank}: a collective with the other ranks failed"
                                f" (did a rank die?): {first}") from err
 
