@@ -21,9 +21,10 @@ SIGKILLed rank 0 leaves a run without heartbeats that `rollout runs` marks `cras
 The numbers. Every rank plans the same global batch a single process would (the data plan is
 deterministic); each micro-batch's rows are split into equal contiguous slices, one per rank
 (`Distributed.shard`). Losses are normalised by the *global* count (`Distributed.sum` of the
-ranks' counts) and the gradient reduction sums instead of averaging (FSDP2 gradient divide factor
-1 with sum reductions; a summing DDP comm hook), so the gradient is the single-process gradient up
-to float reassociation: per-step losses agree to ~1e-6. The data cursor stays global.
+ranks' counts) and the ranks' gradients are summed (FSDP2: gradient divide factor 1 with sum
+reductions; DDP averages, so its loss is scaled by the world size), so the gradient is the
+single-process gradient up to float reassociation: per-step losses agree to ~1e-7. The data
+cursor stays global.
 
 The model. `wrap_for_training` puts the model under a `LossStep` module whose forward runs a loss
 function on it, so the wrapper's hooks see every forward although the recipes' loss functions call
@@ -89,15 +90,23 @@ def torchrun_command(dist: TorchrunDistributedConfig, args: Sequence[str]) -> li
     return [*cmd, "-m", "rollout.cli.main", *args]
 
 
-def launch_torchrun(cfg: RunConfig, args: Sequence[str]) -> int:
+def launch_torchrun(cfg: RunConfig, args: Sequence[str], *, resume: str | None = None) -> int:
     """Run `rollout <args>` under torch.distributed.run; returns its exit status.
 
-    When the job fails and rank 0 could not end the run itself (it was the rank killed, or
+    `resume` (the snapshot id in `args`) is looked up first, so a bad id fails before any process
+    starts. When the job fails and rank 0 could not end the run itself (it was the rank killed, or
     torchrun stopped it first), the run is marked `failed` here, so it never stays `running`.
     """
     from rollout.config import TorchrunDistributedConfig
+    from rollout.run import open_stores
 
     assert isinstance(cfg.distributed, TorchrunDistributedConfig)
+    if resume is not None:
+        store, _ = open_stores(cfg)
+        try:
+            store.get_snapshot(resume)  # SnapshotNotFound: one clear line, exit 2
+        finally:
+            store.close()
     with tempfile.TemporaryDirectory(prefix="rollout-torchrun-") as tmp:
         id_file = Path(tmp) / "run-id"
         env = {**os.environ, RUN_ID_FILE_ENV: str(id_file)}
@@ -322,9 +331,7 @@ def wrap_for_training(model: torch.nn.Module, dist: Distributed) -> torch.nn.Mod
     step = _loss_step_class()(model)
     if dist.sharding == "ddp":
         # buffers (rotary tables) are the same on every rank: no sync in each forward
-        ddp = torch.nn.parallel.DistributedDataParallel(step, forward_sync_buffers=False)
-        ddp.register_comm_hook(None, _sum_allreduce_hook)
-        return ddp
+        return torch.nn.parallel.DistributedDataParallel(step, forward_sync_buffers=False)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -340,14 +347,6 @@ def wrap_for_training(model: torch.nn.Module, dist: Distributed) -> torch.nn.Mod
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return step
-
-
-def _sum_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none here
-    """DDP comm hook: the sum of the ranks' gradients (DDP's default divides by the world size)."""
-    import torch.distributed as tdist
-
-    fut = tdist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 def full_state_dict(model: torch.nn.Module, dist: Distributed) -> dict[str, torch.Tensor]:
@@ -414,7 +413,10 @@ class DistributedBackend:
 
         self.step.train()
         loss, metrics = self.step(move_to(batch, self.device), loss_fn)
-        loss.backward()
+        # The loss is over the global count, so the ranks' gradients must be summed: FSDP2 sums
+        # (divide factor 1); DDP averages, so its loss is scaled by the world size. (A summing comm
+        # hook would not do: DDP reduces the accumulated .grad again at each micro-batch.)
+        (loss * self.dist.world_size if self.dist.sharding == "ddp" else loss).backward()
         return metrics
 
     async def optim_step(self) -> Any:

@@ -42,7 +42,7 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_eval(cfg, source=config)
     if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
         args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
-        sys.exit(launch_torchrun(cfg, args))  # torchrun's status (typer.Exit's code is dropped by main)
+        sys.exit(launch_torchrun(cfg, args, resume=resume))  # torchrun's status (typer.Exit's code is dropped by main)
     train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
     if os.environ.get("RANK", "0") != "0":
