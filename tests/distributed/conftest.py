@@ -1,0 +1,136 @@
+"""The tiny model, small arithmetic data, and run configs for the torchrun tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: Path
+    sft: Path
+    pref: Path
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> Inputs:
+    """The tiny model and 64 lines of arithmetic SFT and preference data."""
+    from rollout.models.tiny import init_tiny_model
+    from rollout.tasks.arithmetic import write_arithmetic_dataset
+
+    root = tmp_path_factory.mktemp("dist-inputs")
+    model = init_tiny_model(root / "tiny")
+    data = write_arithmetic_dataset(root / "arithmetic", num_train=64, num_eval=8)
+    return Inputs(Path(model).resolve(), data["sft"].resolve(), data["pref"].resolve())
+
+
+def distributed_block(world: int | None, sharding: str = "fsdp") -> str:
+    """`[distributed]`: local for None, else torchrun with `world` ranks on this host."""
+    if world is None:
+        return '[distributed]\nkind = "local"\n'
+    return f'[distributed]\nkind = "torchrun"\nnproc_per_node = {world}\nsharding = "{sharding}"\n'
+
+
+def write_config(
+    dest: Path, kind: str, inputs: Inputs, *, distributed: str, max_steps: int, every_steps: int,
+    store: Path | None = None,
+) -> Path:
+    """A tiny SFT (bfd packing) or DPO run: micro-batches of 4, 2 per step, a snapshot every
+    `every_steps`; its store in `store` (default: `dest`)."""
+    store = store or dest
+    dest.mkdir(parents=True, exist_ok=True)
+    if kind == "sft":
+        algorithm = f"""
+[algorithm]
+kind = "sft"
+[algorithm.sft]
+minibatch_size = 4
+gradient_accumulation = 2
+[algorithm.sft.base_model]
+uri = "{inputs.model}"
+[algorithm.sft.optimizer]
+kind = "adamw"
+lr = 3e-3
+[algorithm.sft.scheduler]
+kind = "cosine"
+warmup_steps = 1
+[algorithm.sft.budget]
+max_steps = {max_steps}
+[algorithm.sft.dataset]
+kind = "jsonl_path"
+path = "{inputs.sft}"
+[algorithm.sft.packing]
+kind = "bfd"
+max_seq_len = 64
+[algorithm.sft.loss_on]
+kind = "assistant"
+[algorithm.sft.snapshot]
+every_steps = {every_steps}
+"""
+    else:
+        algorithm = f"""
+[algorithm]
+kind = "dpo"
+[algorithm.dpo]
+minibatch_size = 4
+gradient_accumulation = 2
+beta = 0.1
+[algorithm.dpo.base_model]
+uri = "{inputs.model}"
+[algorithm.dpo.optimizer]
+kind = "adamw"
+lr = 5e-3
+[algorithm.dpo.scheduler]
+kind = "constant"
+[algorithm.dpo.budget]
+max_steps = {max_steps}
+[algorithm.dpo.dataset]
+kind = "jsonl_path"
+path = "{inputs.pref}"
+[algorithm.dpo.packing]
+kind = "off"
+max_seq_len = 64
+[algorithm.dpo.snapshot]
+every_steps = {every_steps}
+"""
+    text = f"""schema_version = 1
+seed = 0
+[storage]
+backend = "embedded"
+[storage.embedded]
+path = "{store}/rollout.db"
+[storage.objects]
+backend = "fs"
+path = "{store}/objects"
+{algorithm}
+{distributed}"""
+    path = dest / f"{kind}.toml"
+    path.write_text(text)
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):  # a launcher's, not ours
+        env.pop(name, None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return env
+
+
+def train_cli(kind: str, config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`rollout train KIND --config CONFIG ARGS...` in a fresh process (which launches torchrun)."""
+    return subprocess.run(
+        [sys.executable, "-m", "rollout.cli.main", "train", kind, "--config", str(config), *args],
+        env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def run_id_of(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout.split("run ", 1)[1].split()[0]
