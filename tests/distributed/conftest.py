@@ -85,7 +85,7 @@ beta = 0.1
 uri = "{inputs.model}"
 [algorithm.dpo.optimizer]
 kind = "adamw"
-lr = 5e-3
+lr = 5e-4  # the example's; Adam turns float noise in near-zero gradients into ~lr-sized differences
 [algorithm.dpo.scheduler]
 kind = "constant"
 [algorithm.dpo.budget]
