@@ -12,7 +12,7 @@ data split, FSDP2 / DDP, and gathering the full state.
 The launch. `rollout train` with `kind = "torchrun"`, when not already under a launcher (no
 `RANK`/`WORLD_SIZE` in its environment), runs `python -m torch.distributed.run
 --nproc-per-node N [--nnodes M --rdzv-endpoint H:P | --standalone] -m rollout.cli.main train
-<kind> --config F [--resume ID]` and exits with its status (`launch_torchrun`). torchrun's own
+<kind> --config F [--resume ID]` and exits with its status (`rollout.launch`). torchrun's own
 failure handling stops the other ranks when one exits; the launcher then marks the run `failed`
 if rank 0 could not (rank 0 tells it the run id through the file `$ROLLOUT_RUN_ID_FILE`). Under
 a bare `torchrun`, rank 0 turns torchrun's SIGTERM into an error (the run is marked failed), and a
@@ -45,9 +45,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,7 +57,8 @@ from rollout.errors import ConfigError, DistributedError
 if TYPE_CHECKING:
     import torch
 
-    from rollout.config import DistributedConfig, RunConfig, TorchrunDistributedConfig
+    from rollout.backends.torch_backend import TorchBackend
+    from rollout.config import DistributedConfig, RunConfig
 
 T = TypeVar("T")
 
@@ -77,71 +75,6 @@ Sharding = Literal["fsdp", "ddp"]
 def under_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether torchrun (or another torch.distributed launcher) started this process."""
     return "RANK" in environ and "WORLD_SIZE" in environ
-
-
-def torchrun_command(dist: TorchrunDistributedConfig, args: Sequence[str]) -> list[str]:
-    """`python -m torch.distributed.run ... -m rollout.cli.main <args>`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dist.nproc_per_node)]
-    if dist.nnodes > 1:
-        assert dist.rdzv_endpoint is not None  # the config requires it
-        cmd += ["--nnodes", str(dist.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", dist.rdzv_endpoint]
-    else:
-        cmd += ["--standalone"]  # a free local port: several jobs on one host don't collide
-    return [*cmd, "-m", "rollout.cli.main", *args]
-
-
-def launch_torchrun(cfg: RunConfig, args: Sequence[str], *, resume: str | None = None) -> int:
-    """Run `rollout <args>` under torch.distributed.run; returns its exit status.
-
-    `resume` (the snapshot id in `args`) is looked up first, so a bad id fails before any process
-    starts. When the job fails and rank 0 could not end the run itself (it was the rank killed, or
-    torchrun stopped it first), the run is marked `failed` here, so it never stays `running`.
-    """
-    from rollout.config import TorchrunDistributedConfig
-    from rollout.run import open_stores
-
-    assert isinstance(cfg.distributed, TorchrunDistributedConfig)
-    if resume is not None:
-        store, _ = open_stores(cfg)
-        try:
-            store.get_snapshot(resume)  # SnapshotNotFound: one clear line, exit 2
-        finally:
-            store.close()
-    with tempfile.TemporaryDirectory(prefix="rollout-torchrun-") as tmp:
-        id_file = Path(tmp) / "run-id"
-        env = {**os.environ, RUN_ID_FILE_ENV: str(id_file)}
-        proc = subprocess.Popen(torchrun_command(cfg.distributed, args), env=env)
-        try:
-            status = proc.wait()
-        except KeyboardInterrupt:  # torchrun got the same SIGINT (one process group): let it stop its ranks
-            status = proc.wait()
-            _end_orphaned_run(cfg, id_file, "cancelled", "interrupted")
-            raise
-        if status != 0:
-            how = f"signal {-status}" if status < 0 else f"exit status {status}"
-            run_id = _end_orphaned_run(
-                cfg, id_file, "failed", f"a torchrun rank failed (torchrun {how}; the ranks' output names it)"
-            )
-            which = f"; run {run_id} is marked failed" if run_id else ""
-            print(f"error: torchrun job failed ({how}){which}", file=sys.stderr)
-    return status if status >= 0 else 128 - status
-
-
-def _end_orphaned_run(cfg: RunConfig, id_file: Path, status: Literal["failed", "cancelled"], error: str) -> str | None:
-    """Give the run rank 0 announced `status` if it is still pending or running; its id (None: no run)."""
-    from rollout.run import open_stores
-
-    try:
-        run_id = id_file.read_text().strip()
-    except FileNotFoundError:
-        return None  # rank 0 never created a run (a bad config, or another host holds rank 0)
-    store, _ = open_stores(cfg)
-    try:
-        if store.get_run(run_id).status in ("pending", "running"):
-            store.set_run_status(run_id, status, error=error)
-    finally:
-        store.close()
-    return run_id
 
 
 def announce_run(run_id: str) -> None:
@@ -522,14 +455,24 @@ class DistributedBackend:
         }
 
 
-def build_distributed_backend(
+def build_backend(
     model: torch.nn.Module, dist: Distributed, *, device: torch.device, total_steps: int,
     max_grad_norm: float | None, optimizer: Mapping[str, Any], scheduler: Mapping[str, Any],
-) -> DistributedBackend:
-    """`build_torch_backend` over a process group: wrap first (FSDP2 replaces the parameters), then
-    the optimizer over the wrapped parameters."""
-    from rollout.backends.torch_backend import lr_multiplier, make_lr_schedule, make_optimizer
+) -> TorchBackend | DistributedBackend:
+    """`build_torch_backend` for a local run; under torchrun the model wrapped first (FSDP2 replaces
+    the parameters), then the optimizer over the wrapped parameters."""
+    from rollout.backends.torch_backend import (
+        build_torch_backend,
+        lr_multiplier,
+        make_lr_schedule,
+        make_optimizer,
+    )
 
+    if not dist.active:
+        return build_torch_backend(
+            model, device=device, total_steps=total_steps, max_grad_norm=max_grad_norm, optimizer=optimizer,
+            scheduler=scheduler,
+        )
     if dist.sharding == "fsdp" and hasattr(model, "peft_config"):
         raise ConfigError('LoRA under [distributed] sharding = "fsdp" is not supported yet: use sharding = "ddp"')
     step = wrap_for_training(model, dist)

@@ -23,13 +23,14 @@ import torch
 from rollout.algorithms.config import DPOConfig
 from rollout.algorithms.reference import Reference, build_reference, digest_records
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
+from rollout.backends.torch_backend import move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
 from rollout.data.jsonl import Row, read_rows
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.tokenize import tokenize_pairs
+from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.logps import sequence_logps
 from rollout.losses.preference import dpo_loss
@@ -142,9 +143,9 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
         precompute_fn=lambda r: precompute_pair_table(r, pairs, pad_id, device, average=average),
         data_digest=digest_records(pairs, extra={"average": average, "algorithm": "dpo"}),
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
-        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), dist=ctx.dist,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
     loop = await restore_or_start(ctx, backend)

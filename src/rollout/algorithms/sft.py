@@ -19,13 +19,14 @@ from typing import Any
 
 from rollout.algorithms.config import SFTConfig
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.backends.torch_backend import pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import attention_mask_for, collate_packed, collate_padded
 from rollout.data.jsonl import read_rows
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.tokenize import tokenize_sft
+from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.sft import next_token_targets, sft_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
@@ -103,9 +104,9 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
         base_model, task="causal_lm", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
         lora=s.lora.model_dump() if s.lora else None,
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
-        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), dist=ctx.dist,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+        optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
 

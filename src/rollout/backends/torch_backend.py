@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -19,9 +19,6 @@ from safetensors.torch import save as save_safetensors
 
 from rollout.backends.base import BackendState, LossFn, OptimStepResult
 from rollout.rng import capture_rng_state, restore_rng_state
-
-if TYPE_CHECKING:
-    from rollout.distributed import Distributed, DistributedBackend
 
 
 def pick_device(device: Literal["auto", "cpu", "cuda"]) -> torch.device:
@@ -154,21 +151,12 @@ class TorchBackend:
 def build_torch_backend(
     model: torch.nn.Module, *, device: torch.device, total_steps: int, max_grad_norm: float | None,
     optimizer: Mapping[str, Any], scheduler: Mapping[str, Any],
-    param_groups: Sequence[dict[str, Any]] | None = None, dist: Distributed | None = None,
-) -> TorchBackend | DistributedBackend:
+    param_groups: Sequence[dict[str, Any]] | None = None,
+) -> TorchBackend:
     """Optimizer, lr schedule and TorchBackend. `optimizer`: `make_optimizer`'s keyword arguments
     (kind, lr, weight_decay and the kind's own: betas, eps or momentum, nesterov); `scheduler`:
     `lr_multiplier`'s (kind, warmup_steps, min_lr_ratio). `param_groups` (torch's form, a group's
-    "lr" being its peak lr) replaces `model.parameters()`. Under torchrun (`dist.active`): the
-    model under FSDP2 or DDP (`rollout.distributed`)."""
-    if dist is not None and dist.active:
-        from rollout.distributed import build_distributed_backend
-
-        assert param_groups is None, "param groups under torchrun are not implemented"
-        return build_distributed_backend(
-            model, dist, device=device, total_steps=total_steps, max_grad_norm=max_grad_norm,
-            optimizer=optimizer, scheduler=scheduler,
-        )
+    "lr" being its peak lr) replaces `model.parameters()`."""
     params = param_groups if param_groups is not None else model.parameters()
     opt = make_optimizer(params, **optimizer)
     sched = make_lr_schedule(opt, lambda i: lr_multiplier(i, total_steps=total_steps, **scheduler))

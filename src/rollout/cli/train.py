@@ -12,7 +12,7 @@ import typer
 from rollout.algorithms.registry import ALGORITHMS
 from rollout.cli.config_cmds import check_dataset, check_eval, check_model_path, check_plugins, check_runtime
 from rollout.config import load_config
-from rollout.distributed import launch_torchrun, under_launcher
+from rollout.distributed import under_launcher
 from rollout.errors import ConfigError
 
 app = typer.Typer(help="Plan and run a training job in one go.", no_args_is_help=True)
@@ -41,6 +41,8 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_plugins(cfg)
     check_eval(cfg, source=config)
     if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
+        from rollout.launch import launch_torchrun
+
         args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
         sys.exit(launch_torchrun(cfg, args, resume=resume))  # torchrun's status (typer.Exit's code is dropped by main)
     train = ALGORITHMS[kind].load_train()  # the recipe (and torch) load only now
