@@ -39,10 +39,11 @@ def distributed_block(world: int | None, sharding: str = "fsdp") -> str:
 
 def write_config(
     dest: Path, kind: str, inputs: Inputs, *, distributed: str, max_steps: int, every_steps: int,
-    store: Path | None = None,
+    store: Path | None = None, extra: str = "",
 ) -> Path:
-    """A tiny SFT (bfd packing) or DPO run: micro-batches of 4, 2 per step, a snapshot every
-    `every_steps`; its store in `store` (default: `dest`)."""
+    """A tiny SFT (bfd packing), DPO or RM run: micro-batches of 4, 2 per step, a snapshot every
+    `every_steps`; its store in `store` (default: `dest`); `extra` TOML appended to the algorithm's
+    block (e.g. `[algorithm.sft.export]`)."""
     store = store or dest
     dest.mkdir(parents=True, exist_ok=True)
     if kind == "sft":
@@ -73,30 +74,31 @@ kind = "assistant"
 [algorithm.sft.snapshot]
 every_steps = {every_steps}
 """
-    else:
+    else:  # dpo, rm: the same pairs
+        own = "beta = 0.1" if kind == "dpo" else 'head = "bradley_terry"\n[algorithm.rm.loss_on]\nkind = "full"'
         algorithm = f"""
 [algorithm]
-kind = "dpo"
-[algorithm.dpo]
+kind = "{kind}"
+[algorithm.{kind}]
 minibatch_size = 4
 gradient_accumulation = 2
-beta = 0.1
-[algorithm.dpo.base_model]
+{own}
+[algorithm.{kind}.base_model]
 uri = "{inputs.model}"
-[algorithm.dpo.optimizer]
+[algorithm.{kind}.optimizer]
 kind = "adamw"
-lr = 5e-4  # the example's; Adam turns float noise in near-zero gradients into ~lr-sized differences
-[algorithm.dpo.scheduler]
+lr = 5e-4  # the examples'; Adam turns float noise in near-zero gradients into ~lr-sized differences
+[algorithm.{kind}.scheduler]
 kind = "constant"
-[algorithm.dpo.budget]
+[algorithm.{kind}.budget]
 max_steps = {max_steps}
-[algorithm.dpo.dataset]
+[algorithm.{kind}.dataset]
 kind = "jsonl_path"
 path = "{inputs.pref}"
-[algorithm.dpo.packing]
+[algorithm.{kind}.packing]
 kind = "off"
 max_seq_len = 64
-[algorithm.dpo.snapshot]
+[algorithm.{kind}.snapshot]
 every_steps = {every_steps}
 """
     text = f"""schema_version = 1
@@ -108,7 +110,7 @@ path = "{store}/rollout.db"
 [storage.objects]
 backend = "fs"
 path = "{store}/objects"
-{algorithm}
+{algorithm}{extra}
 {distributed}"""
     path = dest / f"{kind}.toml"
     path.write_text(text)

@@ -86,7 +86,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         ),
         AlgorithmSpec(
             "rm", RMConfig, "preference", "rollout.algorithms.rm:train_rm", "Bradley–Terry reward model.",
-            generates=False,
+            generates=False, distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "dpo", DPOConfig, "preference", "rollout.algorithms.dpo:train_dpo",
