@@ -310,14 +310,11 @@ def gathered_model(model: Any, dist: Distributed) -> Iterator[Any]:
     if not dist.is_rank0:
         yield None
         return
-    base = hf_model(model)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and any(
-        getattr(p, "device", torch.device("cpu")).type == "cuda" for p in base.parameters()
-    ) else torch.device("cpu")
+    base = hf_model(model)  # (no LoRA under FSDP2: check_torchrun refuses it)
     full = type(base)._from_config(base.config, attn_implementation=base.config._attn_implementation, dtype=base.dtype)
     full.generation_config = copy.deepcopy(base.generation_config)
     full.load_state_dict(state)
-    yield full.to(device)
+    yield full.to(torch.device(dist._comm_device()))  # this rank's device: cuda:LOCAL_RANK or the CPU
 
 
 # --------------------------------------------------------------------------- the backend
