@@ -39,6 +39,9 @@ and read the run's row and snapshots. A snapshot holds the full state in the sin
 layout (model by name, optimizer state by parameter index), gathered onto rank 0 under FSDP2
 (`torch.distributed.checkpoint.state_dict`), so a run resumes at any world size, or in one process.
 Eval during training and the export run on rank 0, on a full copy under FSDP2 (`gathered_model`).
+On several hosts every rank must reach the store and the object store (PostgreSQL, an object
+store all hosts share): the other ranks read the run's row and the resume snapshot from them.
+Tested with 2 gloo ranks on one host (tests/distributed); several hosts and NCCL are untested.
 """
 
 from __future__ import annotations
