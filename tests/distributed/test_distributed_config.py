@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, distributed_block, write_config
+from dist_helpers import cli_env, distributed_block, write_config
 
 from rollout.config import LocalDistributedConfig, TorchrunDistributedConfig, load_config, parse_config
 from rollout.distributed import LOCAL, Distributed, join_process_group

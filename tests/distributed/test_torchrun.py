@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_env, distributed_block, run_id_of, train_cli, write_config
+from dist_helpers import cli_env, distributed_block, run_id_of, train_cli, write_config
 from safetensors.torch import load as load_safetensors
 
 from rollout.config import load_config
