@@ -138,6 +138,8 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
                      keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals, dist=dist)
     store.set_run_status(run.id, "running")
     heartbeat.start()
+    if dist.active:
+        recorder.event("process_group", world_size=dist.world_size, sharding=dist.sharding)
     try:
         dist.broadcast_text(run.id)
         with _peer_failures(dist):

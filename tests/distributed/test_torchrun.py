@@ -117,6 +117,7 @@ def test_sft_two_ranks_match_one_process(sft_runs):
     assert [p.name for p in (two.parent / "runs").iterdir()] == [run_two]
     events = [json.loads(line) for line in (two.parent / "runs" / run_two / "events.jsonl").read_text().splitlines()]
     assert [e["name"] for e in events].count("train_start") == 1
+    assert [e["fields"] for e in events if e["name"] == "process_group"] == [{"world_size": 2, "sharding": "fsdp"}]
     # eval during training (on rank 0, from the gathered weights) samples what one process samples
     completions = _eval_completions(two, run_two)
     assert sorted(completions) == [N // 2, N] and all(len(c) == 8 for c in completions.values())
