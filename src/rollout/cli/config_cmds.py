@@ -11,6 +11,7 @@ from rollout.algorithms.registry import ALGORITHMS
 from rollout.config import RunConfig, load_config
 from rollout.config_base import located_error
 from rollout.data.sources import check_dataset_exists, dataset_label, scan_dataset_source
+from rollout.distributed import check_torchrun
 from rollout.errors import ModelError
 
 
@@ -34,6 +35,8 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
         if kind not in implemented:
             choices = " or ".join(f'"{k}"' for k in implemented)
             raise located_error(source, [block, "kind"], f'"{kind}" is not implemented for {spec.kind} (use {choices})')
+    if cfg.distributed.kind == "torchrun":
+        check_torchrun(cfg, source=source)
 
 
 def check_model_path(cfg: RunConfig) -> None:
