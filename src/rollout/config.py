@@ -214,14 +214,52 @@ class BackendConfig(StrictModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
 
 
-class DistributedConfig(StrictModel):
-    """Scale-out. Only `local` (one process) exists so far; ray and torchrun are planned.
-
-    Read at plan time (`validate`, `train`): an algorithm whose registry entry does
-    not list the kind is refused before anything loads.
-    """
+class LocalDistributedConfig(StrictModel):
+    """`kind = "local"`: one process."""
 
     kind: Literal["local"] = Field("local", description="local: one process.")
+
+
+class TorchrunDistributedConfig(StrictModel):
+    """`kind = "torchrun"`: one learner process per device over torch.distributed (`rollout.distributed`).
+
+    `rollout train` relaunches itself through `torch.distributed.run` with these settings (and
+    works unchanged when `torchrun` starts it: the launcher's world size wins). Each global batch
+    is split across the ranks, so the numbers match one process with the same settings; only
+    rank 0 writes to the store and the object store; snapshots hold the full state, so a run
+    resumes at any world size.
+    """
+
+    kind: Literal["torchrun"] = Field(description="torchrun: several processes, one per device.")
+    nproc_per_node: int = Field(ge=1, le=1024, description="Processes (ranks) on each host.")
+    nnodes: int = Field(1, ge=1, le=65536, description="Hosts taking part (the same config runs on each).")
+    rdzv_endpoint: str | None = Field(
+        None, min_length=1, max_length=300, pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$",
+        description="host:port of the rendezvous (one of the hosts); required when nnodes > 1.",
+    )
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="fsdp: FSDP2 `fully_shard` (parameters, gradients and optimizer state sharded);"
+        " ddp: DistributedDataParallel (each rank holds everything; LoRA runs only here).",
+    )
+    timeout_s: float = Field(
+        1800.0, gt=0, le=86400, description="Collective timeout (a rank waiting longer on its peers fails)."
+    )
+
+    @model_validator(mode="after")
+    def _rendezvous_for_several_hosts(self) -> TorchrunDistributedConfig:
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of one of the hosts)")
+        return self
+
+
+if TYPE_CHECKING:
+    DistributedConfig = LocalDistributedConfig | TorchrunDistributedConfig
+else:  # told apart by `kind`; a block without one is "local", as before there were kinds
+    DistributedConfig = Annotated[
+        Union[LocalDistributedConfig, TorchrunDistributedConfig],  # noqa: UP007
+        Field(discriminator="kind", description="Scale-out: local (one process) or torchrun."),
+    ]
 
 
 class PeriodicEvalConfig(StrictModel):
@@ -342,7 +380,7 @@ class RunConfig(StrictModel):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     algorithm: AlgorithmConfig
     backend: BackendConfig = Field(default_factory=BackendConfig)
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    distributed: DistributedConfig = Field(default_factory=LocalDistributedConfig)
     inference: InferenceConfig | None = Field(
         None, description="Generation engine and sampling (used by infer/serve, and by RL)."
     )
@@ -371,6 +409,12 @@ class RunConfig(StrictModel):
         if extra:
             raise ValueError(f'[algorithm.{extra[0]}] does not match kind = "{kind}"')
         return {k: v for k, v in value.items() if k == kind or k not in ALGORITHMS}  # drop explicit None blocks
+
+    @field_validator("distributed", mode="before")
+    @classmethod
+    def _local_by_default(cls, value: Any) -> Any:
+        """`[distributed]` without `kind` is `local` (the only kind there was)."""
+        return {**value, "kind": "local"} if isinstance(value, Mapping) and "kind" not in value else value
 
     @field_validator("eval")
     @classmethod

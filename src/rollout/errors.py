@@ -52,5 +52,10 @@ class AlgorithmError(RolloutError):
     """The algorithm can't proceed (e.g. loss became NaN, resume from the wrong kind)."""
 
 
+class DistributedError(RolloutError):
+    """A multi-process job can't go on (a peer rank died, torchrun stopped this rank, a batch that
+    does not split over the ranks)."""
+
+
 class EvalNotFound(StorageError):
     """No eval matches the given id or prefix (or the prefix is ambiguous)."""

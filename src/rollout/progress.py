@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -19,12 +20,13 @@ class TrainProgress:
     def __init__(self, description: str, total: int, *, start: int = 0) -> None:
         self.total, self.start = total, start
         self.tty = sys.stderr.isatty()
+        self.quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 shows the progress
         self.every = max(1, total // 20)
         self._bar: Any = None
         self._t0 = time.perf_counter()
 
     def __enter__(self) -> TrainProgress:
-        if self.tty:
+        if self.tty and not self.quiet:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
@@ -43,7 +45,7 @@ class TrainProgress:
         text = " ".join(f"{k}={_fmt(v)}" for k, v in info.items())
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=text)
-        elif step % self.every == 0 or step == self.total:
+        elif not self.quiet and (step % self.every == 0 or step == self.total):
             print(f"step={step}/{self.total} {text}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:

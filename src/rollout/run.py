@@ -30,7 +30,15 @@ from rollout.backends.base import BackendState, TrainingBackend
 from rollout.checkpoint import LoopState, commit_train_state, read_train_state
 from rollout.config import RunConfig
 from rollout.data.loader import DataCursor
-from rollout.errors import AlgorithmError, ConfigError, RolloutError
+from rollout.distributed import (
+    LOCAL,
+    Distributed,
+    NullRecorder,
+    announce_run,
+    gathered_model,
+    join_process_group,
+)
+from rollout.errors import AlgorithmError, ConfigError, DistributedError, RolloutError
 from rollout.eval.during_training import PeriodicEval, load_periodic_eval
 from rollout.export import export_model_dir
 from rollout.observe import Heartbeat, RunRecorder, heartbeat_interval_s
@@ -54,7 +62,7 @@ class RunContext:
     objects: ObjectStore
     run: RunRecord
     run_dir: Path
-    recorder: RunRecorder
+    recorder: RunRecorder | NullRecorder
     resume_from: SnapshotRecord | None = None
     resume_state: tuple[BackendState, dict[str, Any]] | None = None
     snapshots: list[SnapshotRecord] = field(default_factory=list)
@@ -62,6 +70,8 @@ class RunContext:
     """train_state snapshots of this run to keep (older unlabeled ones are pruned); None keeps all."""
     evals: PeriodicEval | None = None
     """The config's `[eval]`, run during training (`evaluate_if_due`); None without one."""
+    dist: Distributed = LOCAL
+    """This process's rank under torchrun (`rollout.distributed`); only rank 0 writes the run."""
 
 
 def settings_for(cfg: RunConfig, settings: type[SettingsT]) -> SettingsT:
@@ -94,8 +104,16 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
 
     The snapshot to resume from is resolved *before* the run row exists, so an
     unknown id fails cleanly (`snapshot not found: <id>`) without a stray run.
+
+    Under torchrun (`rollout.distributed`) rank 0 does all of this; the other ranks wait for the
+    run's id, then read its row and the resume snapshot, and record nothing.
     """
     beat_s = heartbeat_interval_s()  # a bad $ROLLOUT_HEARTBEAT_S fails here, before any run row exists
+    dist = join_process_group(cfg.distributed, device=cfg.backend.device)
+    if not dist.is_rank0:
+        with _follower_lifecycle(cfg, dist, resume=resume) as ctx:
+            yield ctx
+        return
     store, objects = open_stores(cfg)
     resume_from, resume_state = None, None
     if resume is not None:
@@ -120,6 +138,7 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     run_dir = cfg.storage.resolved_runs_dir() / run.id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
+    announce_run(run.id)
     trackers = open_tracker_sinks(  # [observe]: TensorBoard, W&B, MLflow mirror the metrics and config
         cfg.observe, run_id=run.id, run_name=cfg.name, algorithm=cfg.algorithm.kind, run_dir=run_dir,
         runs_dir=cfg.storage.resolved_runs_dir(), config=cfg.model_dump(mode="json"),
@@ -127,11 +146,15 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     recorder = RunRecorder(store, run.id, run_dir / "events.jsonl", sinks=trackers)
     heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state,
-                     keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals)
+                     keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals, dist=dist)
     store.set_run_status(run.id, "running")
     heartbeat.start()
+    if dist.active:
+        recorder.event("process_group", world_size=dist.world_size, sharding=dist.sharding)
     try:
-        yield ctx
+        dist.broadcast_text(run.id)
+        with _peer_failures(dist):
+            yield ctx
         finish_uploads(ctx.objects)  # s3/gcs: the last snapshot rows land before the run counts as succeeded
     except KeyboardInterrupt:
         _end(ctx, heartbeat, "cancelled", "interrupted")
@@ -156,6 +179,46 @@ def _end(ctx: RunContext, heartbeat: Heartbeat, status: RunStatus, error: str | 
         finally:
             ctx.store.set_run_status(ctx.run.id, status, error=error)
             ctx.store.close()
+            ctx.dist.close()
+
+
+@contextmanager
+def _follower_lifecycle(cfg: RunConfig, dist: Distributed, *, resume: str | None) -> Iterator[RunContext]:
+    """A rank other than 0: the run rank 0 created (read only), the resume state, no recorder."""
+    try:
+        with _peer_failures(dist):
+            run_id = dist.broadcast_text("")  # once rank 0 has checked the resume id and created the run
+            store, objects = open_stores(cfg)
+            try:
+                resume_from = store.get_snapshot(resume) if resume is not None else None
+                resume_state = read_train_state(objects, resume_from) if resume_from is not None else None
+                evals = load_periodic_eval(cfg.eval) if cfg.eval is not None else None
+                yield RunContext(cfg, store, objects, store.get_run(run_id), cfg.storage.resolved_runs_dir() / run_id,
+                                 NullRecorder(), resume_from, resume_state, evals=evals, dist=dist)
+            finally:
+                store.close()
+    finally:
+        dist.close()
+
+
+@contextmanager
+def _peer_failures(dist: Distributed) -> Iterator[None]:
+    """A collective that fails because a peer rank died becomes one clear `DistributedError`."""
+    if not dist.active:
+        yield
+        return
+    import torch.distributed as tdist
+
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).strip()
+        # gloo reports a dead peer as a plain RuntimeError ("[.../gloo/...] Connection reset by peer")
+        if not isinstance(err, tdist.DistError) and not any(w in text.lower() for w in ("gloo", "nccl")):
+            raise
+        first = (text.splitlines() or [type(err).__name__])[0]
+        raise DistributedError(f"rank {dist.rank}: a collective with the other ranks failed"
+                               f" (did a rank die?): {first}") from err
 
 
 def prepare_process(*, seed: int, num_threads: int | None) -> None:
@@ -231,9 +294,14 @@ async def snapshot_backend(
     """Snapshot the backend at `step` unless that step was just saved; returns the id."""
     if ctx.snapshots and ctx.snapshots[-1].step == step:
         return ctx.snapshots[-1].id
-    state = await backend.state()
-    record = save_train_state(ctx, state, step=step, loop_state=loop_state, static_blobs=static_blobs, extra=extra)
-    return record.id
+    state = await backend.state()  # under torchrun: every rank (FSDP2 gathers the full state onto rank 0)
+    if ctx.dist.is_rank0:
+        record = save_train_state(ctx, state, step=step, loop_state=loop_state, static_blobs=static_blobs,
+                                  extra=extra)
+    snapshot_id = ctx.dist.broadcast_text(record.id if ctx.dist.is_rank0 else "")
+    if not ctx.dist.is_rank0:
+        ctx.snapshots.append(ctx.store.get_snapshot(snapshot_id))
+    return snapshot_id
 
 
 async def restore_or_start(ctx: RunContext, backend: TrainingBackend[Any]) -> LoopState:
@@ -255,10 +323,15 @@ async def restore_or_start(ctx: RunContext, backend: TrainingBackend[Any]) -> Lo
 async def evaluate_if_due(ctx: RunContext, step: int, model: Any, tokenizer: Any, *, final: bool = False) -> None:
     """The config's `[eval]` on `model` as it is after optimizer step `step`, when that step is on
     its cadence (or `final`); `eval/<metric>` metrics at `step` and an eval record of the run."""
-    if ctx.evals is not None:
-        await ctx.evals.maybe_run(
-            step, model, tokenizer, store=ctx.store, run_id=ctx.run.id, recorder=ctx.recorder, final=final
-        )
+    if ctx.evals is None or not ctx.evals.due(step, final=final):
+        return
+    with gathered_model(model, ctx.dist) as full:  # rank 0 evaluates; under FSDP2 on a gathered copy
+        if full is None:
+            ctx.evals.last_step = step
+        else:
+            await ctx.evals.maybe_run(
+                step, full, tokenizer, store=ctx.store, run_id=ctx.run.id, recorder=ctx.recorder, final=final
+            )
 
 
 async def finish_training(
@@ -272,8 +345,10 @@ async def finish_training(
     )
     await evaluate_if_due(ctx, loop.step, model, tokenizer, final=True)
     if export_dir is not None:
-        export_model_dir(model, tokenizer, export_dir)
-        ctx.recorder.event("model_exported", dir=str(export_dir), snapshot_id=final)
+        with gathered_model(model, ctx.dist) as full:  # rank 0 writes it
+            if full is not None:
+                export_model_dir(full, tokenizer, export_dir)
+                ctx.recorder.event("model_exported", dir=str(export_dir), snapshot_id=final)
     ctx.recorder.event(
         "train_end", steps=loop.step, final_snapshot_id=final, **{k.replace("/", "_"): v for k, v in metrics.items()}
     )

@@ -23,7 +23,7 @@ import torch
 from rollout.algorithms.config import DPOConfig
 from rollout.algorithms.reference import Reference, build_reference, digest_records
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
+from rollout.backends.torch_backend import move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
@@ -31,6 +31,7 @@ from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_pairs
+from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.logps import sequence_logps
 from rollout.losses.preference import dpo_loss
@@ -143,8 +144,8 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
         precompute_fn=lambda r: precompute_pair_table(r, pairs, pad_id, device, average=average),
         data_digest=digest_records(pairs, extra={"average": average, "algorithm": "dpo"}),
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
@@ -165,11 +166,11 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
-                idx = [r[0].sample for r in rows_]
+                idx = [r[0].sample for r in ctx.dist.shard(rows_)]  # this rank's slice (all of it locally)
                 tokens, n, shared = collate_pair_batch([pairs[i] for i in idx], pad_id, device)
                 ref_lp = reference_logps(ref, tokens, idx, len(pairs), average=average, shared=shared)
                 batches.append(DPOBatch(tokens=tokens, num_pairs=n, ref_logps=ref_lp.to(device), shared=shared))
-            normalizer = float(sum(b.num_pairs for b in batches))
+            normalizer = ctx.dist.sum([sum(b.num_pairs for b in batches)])[0]  # every rank's pairs
             loss_fn = make_dpo_loss_fn(s, normalizer)
             agg: dict[str, float] = {}
             for b in batches:
@@ -177,7 +178,9 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
                     agg[k] = agg.get(k, 0.0) + v
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.tokens.num_tokens for b in batches)
+            names = sorted(agg)
+            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.tokens.num_tokens for b in batches)])
+            agg, step_tokens = dict(zip(names, sums, strict=True)), int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = agg["loss_sum"] / normalizer

@@ -134,6 +134,7 @@ def _table(
             table = load_safetensors(read_snapshot_blob(ctx.objects, record, "logps"))["logps"]
             ctx.recorder.event("reference_reused", snapshot_id=record.id, reason="same model and data")
             return Reference(kind="table", table=table, snapshot_id=record.id)
+    ctx.dist.barrier()  # under torchrun: every rank has looked before rank 0 stores a new table
 
     computer = Reference(kind="adapter", model=policy) if lora else Reference(
         kind="copy", model=_frozen_copy(base, uri, pad_token_id, device, seed)
@@ -141,15 +142,18 @@ def _table(
     out = precompute_fn(computer).detach().double().cpu().contiguous()
     if not torch.isfinite(out).all():
         raise AlgorithmError("reference log-probs contain NaN or inf")
-    record = commit_snapshot(
-        ctx.store, ctx.objects, run_id=ctx.run.id, kind="buffer", step=0, label=label,
-        blobs={"logps": Blob(data=save_safetensors({"logps": out.contiguous()}),
-                             meta={"tensors": {"logps": {"dtype": "float64", "shape": list(out.shape)}}})},
-        extra={"content": "reference_logps", "reference_model": uri, "data_digest": data_digest},
-    )
-    ctx.recorder.event("reference_precomputed", snapshot_id=record.id, sequences=int(out.shape[0]))
+    snapshot_id = ""
+    if ctx.dist.is_rank0:  # every rank computed the same table; rank 0 stores it
+        snapshot_id = commit_snapshot(
+            ctx.store, ctx.objects, run_id=ctx.run.id, kind="buffer", step=0, label=label,
+            blobs={"logps": Blob(data=save_safetensors({"logps": out.contiguous()}),
+                                 meta={"tensors": {"logps": {"dtype": "float64", "shape": list(out.shape)}}})},
+            extra={"content": "reference_logps", "reference_model": uri, "data_digest": data_digest},
+        ).id
+        ctx.recorder.event("reference_precomputed", snapshot_id=snapshot_id, sequences=int(out.shape[0]))
+    snapshot_id = ctx.dist.broadcast_text(snapshot_id)
     del computer
-    return Reference(kind="table", table=out, snapshot_id=record.id)
+    return Reference(kind="table", table=out, snapshot_id=snapshot_id)
 
 
 def model_digest(uri: str) -> str:

@@ -92,14 +92,18 @@ class AlgorithmSpec:
 BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.kind: spec
     for spec in (
-        AlgorithmSpec("sft", SFTConfig, "sft", "rollout.algorithms.sft:train_sft", "Supervised fine-tuning."),
+        AlgorithmSpec(
+            "sft", SFTConfig, "sft", "rollout.algorithms.sft:train_sft", "Supervised fine-tuning.",
+            distributed=("local", "torchrun"),
+        ),
         AlgorithmSpec(
             "rm", RMConfig, "preference", "rollout.algorithms.rm:train_rm", "Bradley–Terry reward model.",
-            generates=False,
+            generates=False, distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "dpo", DPOConfig, "preference", "rollout.algorithms.dpo:train_dpo",
             "Direct preference optimisation (loss_type sigmoid | ipo | hinge | robust).",
+            distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "kto", KTOConfig, "kto", "rollout.algorithms.kto:train_kto",

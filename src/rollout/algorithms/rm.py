@@ -20,7 +20,7 @@ import torch
 
 from rollout.algorithms.config import RMConfig
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
+from rollout.backends.torch_backend import move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
@@ -28,6 +28,7 @@ from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_aligned, tokenize_pairs
+from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.rm import bradley_terry_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
@@ -129,8 +130,8 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
         base_model, task="reward", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
         lora=s.lora.model_dump() if s.lora else None,
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
@@ -155,9 +156,9 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
-                idx = [r[0].sample for r in rows_]
+                idx = [r[0].sample for r in ctx.dist.shard(rows_)]  # this rank's slice (all of it locally)
                 batches.append(collate_pair_batch([pairs[i] for i in idx], [margins[i] for i in idx], pad_id))
-            normalizer = float(sum(b.num_pairs for b in batches))
+            normalizer = ctx.dist.sum([sum(b.num_pairs for b in batches)])[0]  # every rank's pairs
             loss_fn = make_rm_loss_fn(normalizer, margin=s.margin, center_coefficient=s.center_rewards_coefficient)
             agg: dict[str, float] = {}
             for b in batches:
@@ -165,7 +166,9 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
                     agg[k] = agg.get(k, 0.0) + v
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.tokens.num_tokens for b in batches)
+            names = sorted(agg)
+            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.tokens.num_tokens for b in batches)])
+            agg, step_tokens = dict(zip(names, sums, strict=True)), int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = agg["loss_sum"] / normalizer

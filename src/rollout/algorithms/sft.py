@@ -19,13 +19,14 @@ from typing import Any
 
 from rollout.algorithms.config import SFTConfig
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.backends.torch_backend import pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import attention_mask_for, collate_packed, collate_padded
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.sources import read_dataset
 from rollout.data.tokenize import tokenize_sft
+from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.sft import next_token_targets, sft_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
@@ -103,8 +104,8 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
         base_model, task="causal_lm", pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, device=device,
         lora=s.lora.model_dump() if s.lora else None,
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
@@ -129,11 +130,12 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
+                rows_ = ctx.dist.shard(rows_)  # this rank's slice of the global micro-batch (all of it locally)
                 if s.packing.kind == "off":
                     batches.append(collate_padded([samples[r[0].sample] for r in rows_], pad_id))
                 else:
                     batches.append(collate_packed(rows_, samples, pad_id))
-            normalizer = sum(count_targets(b) for b in batches)
+            normalizer = int(ctx.dist.sum([sum(count_targets(b) for b in batches)])[0])  # every rank's targets
             if normalizer == 0:
                 raise AlgorithmError(f"step {loop.step + 1}: no loss tokens in the batch (check loss_on)")
             loss_fn = make_sft_loss_fn(normalizer)
@@ -142,7 +144,8 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
                 loss_sum += (await backend.forward_backward(b, loss_fn))["loss_sum"]
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.num_tokens for b in batches)
+            loss_sum, step_tokens = ctx.dist.sum([loss_sum, sum(b.num_tokens for b in batches)])
+            step_tokens = int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = loss_sum / normalizer

@@ -3,7 +3,8 @@
 A backend owns the model, optimizer and scheduler. Algorithms hand it a batch
 and a loss function; every call returns an awaitable so generation and
 training can be pipelined. Backends: `torch` (one device, CPU or CUDA) and
-`mock` (deterministic, no torch, for orchestration tests); FSDP comes later.
+`mock` (deterministic, no torch, for orchestration tests); under torchrun, the torch
+backend's contract over FSDP2 or DDP (`rollout.distributed.DistributedBackend`).
 """
 
 from __future__ import annotations

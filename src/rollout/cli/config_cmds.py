@@ -45,6 +45,10 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
         if kind not in implemented:
             choices = " or ".join(f'"{k}"' for k in implemented)
             raise located_error(source, [block, "kind"], f'"{kind}" is not implemented for {spec.kind} (use {choices})')
+    if cfg.distributed.kind == "torchrun":
+        from rollout.distributed import check_torchrun
+
+        check_torchrun(cfg, source=source)
 
 
 def check_model_path(cfg: RunConfig) -> None:

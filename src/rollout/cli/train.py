@@ -8,6 +8,8 @@ never import the registry (or pydantic).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,17 +53,32 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     check_model_path(cfg)
     check_plugins(cfg)
     check_eval(cfg, source=config)
+    from rollout.distributed import under_launcher
+
+    if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
+        from rollout.launch import launch_torchrun
+
+        args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
+        sys.exit(launch_torchrun(cfg, args, resume=resume))  # torchrun's status (typer.Exit's code is dropped by main)
     run_training(cfg, resume)
 
 
-def run_training(cfg: RunConfig, resume: str | None) -> TrainResult:
+def run_training(cfg: RunConfig, resume: str | None) -> TrainResult | None:
     """Run a checked config through its algorithm's recipe and print the summary
-    (`rollout train <kind>` and `rollout run --plan` both end here)."""
+    (`rollout train <kind>` and `rollout run --plan` both end here). None on ranks other than 0."""
     from rollout.algorithms.registry import ALGORITHMS
+    from rollout.distributed import under_launcher
 
     s = cfg.algorithm.settings
+    if cfg.distributed.kind == "torchrun" and not under_launcher():
+        raise ConfigError(
+            "this command does not start torchrun yet: run `rollout train <kind> --config F` (it launches"
+            " itself through torchrun) or start it with `torchrun -m rollout.cli.main ...`"
+        )
     train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
+    if os.environ.get("RANK", "0") != "0":
+        return None  # rank 0 reports the run
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
     typer.echo(f"run {result.run_id} succeeded after {result.steps} steps")
     typer.echo(f"final snapshot {result.final_snapshot_id}")

@@ -1,0 +1,125 @@
+"""Helpers for the torchrun tests: run configs, the CLI in a fresh process (test modules import
+them directly: `from dist_helpers import write_config`; the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: Path
+    sft: Path
+    pref: Path
+
+
+def distributed_block(world: int | None, sharding: str = "fsdp") -> str:
+    """`[distributed]`: local for None, else torchrun with `world` ranks on this host."""
+    if world is None:
+        return '[distributed]\nkind = "local"\n'
+    return f'[distributed]\nkind = "torchrun"\nnproc_per_node = {world}\nsharding = "{sharding}"\n'
+
+
+def write_config(
+    dest: Path, kind: str, inputs: Inputs, *, distributed: str, max_steps: int, every_steps: int,
+    store: Path | None = None, extra: str = "",
+) -> Path:
+    """A tiny SFT (bfd packing), DPO or RM run: micro-batches of 4, 2 per step, a snapshot every
+    `every_steps`; its store in `store` (default: `dest`); `extra` TOML appended to the algorithm's
+    block (e.g. `[algorithm.sft.export]`)."""
+    store = store or dest
+    dest.mkdir(parents=True, exist_ok=True)
+    if kind == "sft":
+        algorithm = f"""
+[algorithm]
+kind = "sft"
+[algorithm.sft]
+minibatch_size = 4
+gradient_accumulation = 2
+[algorithm.sft.base_model]
+uri = "{inputs.model}"
+[algorithm.sft.optimizer]
+kind = "adamw"
+lr = 3e-3
+[algorithm.sft.scheduler]
+kind = "cosine"
+warmup_steps = 1
+[algorithm.sft.budget]
+max_steps = {max_steps}
+[algorithm.sft.dataset]
+kind = "jsonl_path"
+path = "{inputs.sft}"
+[algorithm.sft.packing]
+kind = "bfd"
+max_seq_len = 64
+[algorithm.sft.loss_on]
+kind = "assistant"
+[algorithm.sft.snapshot]
+every_steps = {every_steps}
+"""
+    else:  # dpo, rm: the same pairs
+        own = "beta = 0.1" if kind == "dpo" else 'head = "bradley_terry"\n[algorithm.rm.loss_on]\nkind = "full"'
+        algorithm = f"""
+[algorithm]
+kind = "{kind}"
+[algorithm.{kind}]
+minibatch_size = 4
+gradient_accumulation = 2
+{own}
+[algorithm.{kind}.base_model]
+uri = "{inputs.model}"
+[algorithm.{kind}.optimizer]
+kind = "adamw"
+lr = 5e-4  # the examples'; Adam turns float noise in near-zero gradients into ~lr-sized differences
+[algorithm.{kind}.scheduler]
+kind = "constant"
+[algorithm.{kind}.budget]
+max_steps = {max_steps}
+[algorithm.{kind}.dataset]
+kind = "jsonl_path"
+path = "{inputs.pref}"
+[algorithm.{kind}.packing]
+kind = "off"
+max_seq_len = 64
+[algorithm.{kind}.snapshot]
+every_steps = {every_steps}
+"""
+    text = f"""schema_version = 1
+seed = 0
+[storage]
+backend = "embedded"
+[storage.embedded]
+path = "{store}/rollout.db"
+[storage.objects]
+backend = "fs"
+path = "{store}/objects"
+{algorithm}{extra}
+{distributed}"""
+    path = dest / f"{kind}.toml"
+    path.write_text(text)
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):  # a launcher's, not ours
+        env.pop(name, None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return env
+
+
+def train_cli(kind: str, config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`rollout train KIND --config CONFIG ARGS...` in a fresh process (which launches torchrun)."""
+    return subprocess.run(
+        [sys.executable, "-m", "rollout.cli.main", "train", kind, "--config", str(config), *args],
+        env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def run_id_of(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout.split("run ", 1)[1].split()[0]

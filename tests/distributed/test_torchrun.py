@@ -1,0 +1,252 @@
+"""torchrun learners on the CPU: the real `rollout train` relaunching itself as 2 gloo ranks.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/pytest tests/distributed -q
+
+- SFT (FSDP2), DPO (FSDP2 and DDP) and RM (FSDP2) on 2 ranks give one process's per-step losses
+  (same global batch) within 1e-5 relative and its final weights within 1e-5; SFT's eval during
+  training samples the same completions, and its export holds the same weights;
+- a world-size-2 snapshot resumes at world size 1 (the uninterrupted one-process numbers) and at
+  world size 2 (byte-identical to the uninterrupted world-size-2 run);
+- SIGKILL of either rank ends the job non-zero within 30 s and the run is `failed`, never
+  left `running`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import cli_env, distributed_block, run_id_of, train_cli, write_config
+from safetensors.torch import load as load_safetensors
+
+from rollout.config import load_config
+from rollout.snapshots import read_snapshot_blob
+from rollout.store import open_object_store, open_store
+
+N = 4  # steps; snapshots at N/2 and N
+REL = 1e-5
+
+
+def _trained(config: Path, run_id: str) -> tuple[str, dict[int, float], dict, dict]:
+    """(status, {step: train/loss}, {step: snapshot}, the last snapshot's model tensors)."""
+    cfg = load_config(config)
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    objects = open_object_store("fs", path=cfg.storage.objects.path)
+    try:
+        run = store.get_run(run_id)
+        losses = {m.step: m.value for m in store.read_metrics(run_id, name="train/loss")}
+        snaps = {s.step: s for s in store.list_snapshots(run_id=run_id, kind="train_state")}
+        weights = load_safetensors(read_snapshot_blob(objects, snaps[max(snaps)], "model")) if snaps else {}
+        return run.status, losses, snaps, weights
+    finally:
+        store.close()
+
+
+def _train_local(config: Path, resume: str | None = None) -> str:
+    from rollout.algorithms.registry import ALGORITHMS
+
+    cfg = load_config(config)
+    return ALGORITHMS[cfg.algorithm.kind].load_train()(cfg, resume=resume).run_id
+
+
+def _assert_close(
+    losses_a: dict[int, float], losses_b: dict[int, float], weights_a: dict, weights_b: dict, *, atol: float = 1e-5
+) -> None:
+    assert sorted(losses_a) == sorted(losses_b)
+    for step in losses_a:
+        assert losses_b[step] == pytest.approx(losses_a[step], rel=REL), f"step {step}"
+    assert weights_a.keys() == weights_b.keys()
+    outside = 0
+    for name in weights_a:
+        assert weights_a[name].shape == weights_b[name].shape, name
+        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=atol, msg=name)
+        outside += int(((weights_b[name] - weights_a[name]).abs() > 1e-5).sum())
+    assert outside <= sum(w.numel() for w in weights_a.values()) // 10_000  # 1e-5 for all but a few
+
+
+def _sft_extra(dest: Path, inputs) -> str:
+    """An export and an [eval] every N/2 steps (4 prompts x 2 samples of the eval set)."""
+    prompts = inputs.sft.parent / "eval_prompts.jsonl"
+    return (f'[algorithm.sft.export]\ndir = "{dest}/export"\n'
+            f'[eval]\nevery_steps = {N // 2}\nenv = "arithmetic"\ndata = "{prompts}"\nmax_prompts = 4\n'
+            f"n = 2\nmax_tokens = 6\n")
+
+
+@pytest.fixture(scope="module")
+def sft_runs(inputs, tmp_path_factory):
+    """The same SFT run twice: one process (in this one), and 2 FSDP2 ranks through `rollout train`."""
+    root = tmp_path_factory.mktemp("sft")
+    one = write_config(root / "one", "sft", inputs, distributed=distributed_block(None), max_steps=N,
+                       every_steps=N // 2, extra=_sft_extra(root / "one", inputs))
+    two = write_config(root / "two", "sft", inputs, distributed=distributed_block(2), max_steps=N,
+                       every_steps=N // 2, extra=_sft_extra(root / "two", inputs))
+    return (one, _train_local(one)), (two, run_id_of(train_cli("sft", two)))
+
+
+def _eval_completions(config: Path, run_id: str) -> dict[int, list[str]]:
+    """{training step: the completions its eval sampled, in (prompt, sample) order}."""
+    cfg = load_config(config)
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    try:
+        return {e.step: [x.completion for x in store.read_eval_samples(e.id)] for e in store.list_evals(run_id=run_id)}
+    finally:
+        store.close()
+
+
+def test_sft_two_ranks_match_one_process(sft_runs):
+    (one, run_one), (two, run_two) = sft_runs
+    status_one, losses_one, snaps_one, weights_one = _trained(one, run_one)
+    status_two, losses_two, snaps_two, weights_two = _trained(two, run_two)
+    assert status_one == status_two == "succeeded"
+    assert sorted(losses_two) == list(range(1, N + 1)) and sorted(snaps_two) == [N // 2, N]
+    _assert_close(losses_one, losses_two, weights_one, weights_two)
+    assert losses_two[N] < losses_two[1]  # it trained
+    # rank 0 alone wrote: one run, one events file
+    store = open_store("embedded", path=load_config(two).storage.embedded.path)
+    try:
+        assert [r.id for r in store.list_runs()] == [run_two]
+    finally:
+        store.close()
+    assert [p.name for p in (two.parent / "runs").iterdir()] == [run_two]
+    events = [json.loads(line) for line in (two.parent / "runs" / run_two / "events.jsonl").read_text().splitlines()]
+    assert [e["name"] for e in events].count("train_start") == 1
+    assert [e["fields"] for e in events if e["name"] == "process_group"] == [{"world_size": 2, "sharding": "fsdp"}]
+    # eval during training (on rank 0, from the gathered weights) samples what one process samples
+    completions = _eval_completions(two, run_two)
+    assert sorted(completions) == [N // 2, N] and all(len(c) == 8 for c in completions.values())
+    assert completions == _eval_completions(one, run_one)
+    # the export (rank 0, gathered) holds the trained weights
+    from safetensors.torch import load_file
+
+    exported, expected = load_file(two.parent / "export" / "model.safetensors"), load_file(
+        one.parent / "export" / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    for name in exported:
+        torch.testing.assert_close(exported[name], expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_world_size_2_snapshot_resumes_at_1_and_at_2(sft_runs, inputs):
+    (one, run_one), (two, run_two) = sft_runs
+    _, losses_one, _, weights_one = _trained(one, run_one)
+    _, losses_two, snaps_two, _ = _trained(two, run_two)
+    middle = snaps_two[N // 2].id
+
+    # world size 1, from the world-size-2 snapshot (in its store): the one-process numbers
+    local = write_config(two.parent / "as-one", "sft", inputs, distributed=distributed_block(None),
+                         max_steps=N, every_steps=N // 2, store=two.parent)
+    resumed = _train_local(local, resume=middle[:12])
+    _, losses_r1, snaps_r1, weights_r1 = _trained(local, resumed)
+    assert sorted(snaps_r1) == [N]
+    _assert_close({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1)
+    assert sorted(losses_r1) == list(range(N // 2 + 1, N + 1))
+
+    # world size 2 again: byte-identical to the uninterrupted world-size-2 run
+    run_r2 = run_id_of(train_cli("sft", two, "--resume", middle[:12]))
+    status, losses_r2, snaps_r2, _ = _trained(two, run_r2)
+    assert status == "succeeded"
+    a, b = snaps_two[N].manifest["blobs"], snaps_r2[N].manifest["blobs"]
+    assert a["model"]["digest"] == b["model"]["digest"], "weights differ after a world-size-2 resume"
+    assert a["optimizer"]["digest"] == b["optimizer"]["digest"], "optimizer state differs after resume"
+    assert {s: losses_two[s] for s in losses_r2} == losses_r2
+    assert snaps_r2[N].parent_id == middle
+
+
+@pytest.mark.parametrize(("kind", "sharding"), [("dpo", "fsdp"), ("dpo", "ddp"), ("rm", "fsdp")])
+def test_preference_two_ranks_match_one_process(kind, sharding, inputs, tmp_path):
+    one = write_config(tmp_path / "one", kind, inputs, distributed=distributed_block(None), max_steps=N,
+                       every_steps=N)
+    two = write_config(tmp_path / "two", kind, inputs, distributed=distributed_block(2, sharding), max_steps=N,
+                       every_steps=N)
+    run_two = run_id_of(train_cli(kind, two))
+    run_one = _train_local(one)
+    status_one, losses_one, _, weights_one = _trained(one, run_one)
+    status_two, losses_two, _, weights_two = _trained(two, run_two)
+    assert status_one == status_two == "succeeded"
+    # RM: Adam turns the float noise of a few near-zero gradients into up to ~lr-sized differences
+    # (6 of 1.05M weights beyond 1e-5 here, the largest 1e-4, while the losses agree to 1e-7)
+    _assert_close(losses_one, losses_two, weights_one, weights_two, atol=1e-5 if kind == "dpo" else 5e-4)
+    assert losses_two[N] != losses_two[1]  # it trained
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the worker with RANK=`rank` among the launcher's descendants (torchrun's children)."""
+    for pid in _descendants(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID=" in b"\0".join(env):
+            return pid
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_rank_fails_the_job_promptly(rank, inputs, tmp_path):
+    config = write_config(tmp_path, "sft", inputs, distributed=distributed_block(2), max_steps=10_000, every_steps=10_000)
+    db = tmp_path / "rollout.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli.main", "train", "sft", "--config", str(config)],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        run_id = None
+        while run_id is None:  # until the job has taken a step
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the job took no step"
+            time.sleep(0.5)
+            if db.exists():
+                store = open_store("embedded", path=db)
+                try:
+                    runs = store.list_runs()
+                    if runs and store.read_metrics(runs[0].id, name="train/loss"):
+                        run_id = runs[0].id
+                finally:
+                    store.close()
+        victim = _rank_pid(proc.pid, rank)
+        assert victim is not None, "rank process not found"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert took < 30, f"the job took {took:.1f} s to fail"
+    assert f"run {run_id} is marked failed" in stderr or "error: " in stderr
+    show = subprocess.run(
+        [sys.executable, "-m", "rollout.cli.main", "runs", "show", run_id, "--json", "--storage-path", str(db)],
+        env=cli_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert show.returncode == 0, show.stderr
+    record = json.loads(show.stdout)
+    run = record.get("run", record)
+    assert run["status"] == "failed"
+    assert run["error"]
