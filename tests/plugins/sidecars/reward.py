@@ -6,7 +6,8 @@ Score: the completion's length, +1000 when it equals the row's "answer"; null (a
 empty completion. MODE: ok (default); crash_after N (exit 3 on reward.score call N+1 of this
 process); hang_after N (never answer call N+1); garbage, wrong_id, error, bad_shape (on every
 reward.score); exit_on_start (exit before reading anything); spawn_child (describe starts a
-`sleep` child and reports its pid); bad_describe; env_only (describe lists kind "env" only).
+`sleep` child and reports its pid); bad_describe; env_only (describe lists kind "env" only);
+slow_start (waits 0.5 s before reading anything, as a sidecar loading a model would).
 """
 
 import json
@@ -35,6 +36,8 @@ def score(params):
 
 
 def main():
+    if MODE == "slow_start":
+        time.sleep(0.5)
     if MODE == "exit_on_start":
         print("reward sidecar: missing API key", file=sys.stderr, flush=True)
         sys.exit(5)
