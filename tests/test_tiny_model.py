@@ -220,7 +220,7 @@ def test_llama_arch(tmp_path: Path) -> None:
         ({"num_layers": -1}, "num_layers must be positive"),
         ({"num_heads": 3}, "must divide hidden_size"),
         ({"num_kv_heads": 3}, "must divide num_heads"),
-        ({"vocab_size": 100}, "vocab_size must be at least 259"),
+        ({"vocab_size": 100}, "vocab_size must be at least 266"),
         ({"arch": "gpt2"}, "unknown arch"),
     ],
 )
