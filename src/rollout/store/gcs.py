@@ -23,12 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import blake3
 import google.auth.exceptions
 from gcsfs.core import GCSFileSystem  # the plain JSON-API filesystem: no zonal/HNS gRPC probing
 
 from rollout.errors import BlobCorrupted, BlobNotFound, StorageError
-from rollout.store.objects import _install, _temp_file, check_digest, hash_bytes
+from rollout.store.objects import _install, _temp_file, check_digest, hash_bytes, hash_file
 
 CHUNK_SIZE = 8 << 20
 """Blobs at least this big are uploaded in resumable chunks of this size (a multiple of 256 KiB)."""
@@ -65,11 +64,9 @@ class GcsObjectStore:
 
     def put_file(self, path: Path) -> str:
         try:
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            hasher.update_mmap(path)
+            digest = hash_file(path)
         except OSError as err:
             raise StorageError(f"cannot store file {path} in {self.location}: {err.strerror or err}") from err
-        digest = hasher.hexdigest()
         if not self.exists(digest):
             with self._errors(f"upload blob {digest} from {path}"):
                 self.fs.put_file(str(path), self.path_for(digest), chunksize=CHUNK_SIZE)
@@ -93,9 +90,7 @@ class GcsObjectStore:
                 handle.close()  # gcsfs writes the file by name
                 with self._errors(f"download blob {digest}", digest=digest):
                     self.fs.get_file(path, str(tmp))
-                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-                hasher.update_mmap(tmp)
-                actual = hasher.hexdigest()
+                actual = hash_file(tmp)
                 if actual != digest:
                     raise BlobCorrupted(f"blob {digest} is corrupted: its bytes hash to {actual} ({self.location})")
                 _install(tmp, dest)

@@ -118,6 +118,13 @@ def hash_bytes(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+def hash_file(path: Path) -> str:
+    """The blake3 hex digest of a file's bytes (memory-mapped, multithreaded); OSError if unreadable."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(path)
+    return hasher.hexdigest()
+
+
 class FsObjectStore:
     """An `ObjectStore` in a local directory tree (`root/ab/cd/<digest>`)."""
 

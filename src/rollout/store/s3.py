@@ -24,7 +24,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import blake3
 import boto3
 import botocore.exceptions
 from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
@@ -32,7 +31,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from rollout.errors import BlobCorrupted, BlobNotFound, StorageError
-from rollout.store.objects import _install, _sync_and_close, _temp_file, check_digest, hash_bytes
+from rollout.store.objects import _install, _sync_and_close, _temp_file, check_digest, hash_bytes, hash_file
 
 MULTIPART_THRESHOLD = 8 << 20
 """Blobs at least this big are uploaded (and downloaded) in parts of this size."""
@@ -95,11 +94,9 @@ class S3ObjectStore:
 
     def put_file(self, path: Path) -> str:
         try:
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            hasher.update_mmap(path)
+            digest = hash_file(path)
         except OSError as err:
             raise StorageError(f"cannot store file {path} in {self.location}: {err.strerror or err}") from err
-        digest = hasher.hexdigest()
         if not self.exists(digest):
             with self._errors(f"upload blob {digest} from {path}"):
                 self.client.upload_file(str(path), self.bucket, self.key_for(digest), Config=self.transfer)
@@ -125,9 +122,7 @@ class S3ObjectStore:
                 with self._errors(f"download blob {digest}", digest=digest):
                     self.client.download_fileobj(self.bucket, key, handle, Config=self.transfer)
                 _sync_and_close(handle)
-                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-                hasher.update_mmap(tmp)  # parts land out of order: hash the whole file once it is complete
-                actual = hasher.hexdigest()
+                actual = hash_file(tmp)  # parts land out of order: hash the whole file once it is complete
                 if actual != digest:
                     raise BlobCorrupted(f"blob {digest} is corrupted: its bytes hash to {actual} ({self.location})")
                 _install(tmp, dest)
