@@ -19,6 +19,7 @@ from rollout.errors import ConfigError
 from rollout.store import open_store
 
 N = 4
+RM_GAIN = 0.15  # seeds 0-2 gained +0.206 at worst (README, learning grid)
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
@@ -228,4 +229,68 @@ def test_ppo_with_an_rm_snapshot_logs_both_rewards_and_resumes_bit_identically(w
     assert rm_a == rm_b  # normalised by the same running moments after the resume
 
 
+def test_grpo_takes_a_reward_model_too(workspace, tiny_rm, tmp_path):
+    """`[[algorithm.grpo.rewards]]` with kind = "reward_model": trained on, and logged each step."""
+    from rollout.algorithms.grpo import train_grpo
+
+    rm_entry = f'kind = "reward_model"\nmodel = "{tiny_rm}"\nnormalize = "group"\n'
+    cfg = load_config(example_config("grpo-tiny.toml", workspace, tmp_path, {
+        '"../local/models/sft-warmup"': '"../local/models/tiny"', "minibatch_size = 16": "minibatch_size = 2",
+        "num_generations = 8": "num_generations = 2", "max_tokens = 6": "max_tokens = 3",
+        "max_steps = 250": "max_steps = 2", "dynamic_sampling = true": "dynamic_sampling = false",
+        'name = "arithmetic_correct"\nweight = 1.0\n': rm_entry}))
+    result = train_grpo(cfg)
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    raw = store.read_metrics(result.run_id, name="rollout/reward/rm")
+    grouped = [m.value for m in store.read_metrics(result.run_id, name="rollout/reward/rm_group")]
+    store.close()
+    assert [m.step for m in raw] == [1, 2] and grouped == pytest.approx([0.0, 0.0], abs=1e-6)  # centred per prompt
+
+
 # --- learning ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_run, tmp_path_factory):
+    """SFT -> RM (from the SFT model) -> PPO from the warm-up SFT with the RM as its only training
+    reward; the held-out sampled accuracy, judged by the verifiable checker, rises. Seeds 0/1/2 at one
+    thread gained +0.301 / +0.234 / +0.206 (README, learning grid)."""
+    import json
+
+    from rollout.algorithms.ppo import train_ppo
+    from rollout.algorithms.rm import train_rm
+    from rollout.algorithms.sft import train_sft
+    from rollout.inference.hf_engine import load_hf_engine
+    from rollout.inference.types import GenerationRequest, SamplingParams
+    from rollout.tasks.arithmetic import is_correct
+
+    rm_dir = tmp_path_factory.mktemp("rm")
+    train_rm(load_config(example_config("rm-tiny.toml", workspace, rm_dir, {
+        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"', **RM_CENTRED})))
+    warm_dir = tmp_path_factory.mktemp("warmup")
+    train_sft(load_config(example_config("sft-warmup.toml", workspace, warm_dir,
+                                         {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'})))
+    rl_dir = tmp_path_factory.mktemp("ppo-rm")
+    cfg = load_config(example_config("ppo-rm-tiny.toml", workspace, rl_dir, {
+        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/rm-tiny"': f'"{rm_dir}/rm-export"',
+        '"../local/models/ppo-rm-tiny"': f'"{rl_dir}/model"'}))
+    result = train_ppo(cfg)
+    rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
+
+    def sampled_accuracy(path):
+        engine = load_hf_engine(str(path))
+        out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
+                              SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
+        return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
+
+    before, after = sampled_accuracy(warm_dir / "model"), sampled_accuracy(rl_dir / "model")
+    print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
+    assert after >= before + RM_GAIN
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    logged = {name: store.read_metrics(result.run_id, name=f"rollout/reward/{name}")
+              for name in ("rm", "rm_running", "arithmetic_correct")}
+    store.close()
+    for metrics in logged.values():  # the RM's score beside the verifiable reward, at every step
+        assert [m.step for m in metrics] == list(range(1, result.steps + 1))
+    rm = [m.value for m in logged["rm"]]
+    assert sum(rm[-20:]) / 20 > sum(rm[:20]) / 20 + 0.5  # the RM's own score rises too (+1.5 to +1.9 measured)
