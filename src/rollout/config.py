@@ -253,12 +253,52 @@ class TorchrunDistributedConfig(StrictModel):
         return self
 
 
+class RayDistributedConfig(StrictModel):
+    """`kind = "ray"`: one learner (this process) and rollout worker actors on a Ray cluster
+    (`rollout.rl.ray_rollout`; GRPO and PPO).
+
+    Each worker has its own engine, rewards and env, and takes leases of prompt groups from the
+    learner's queue as it frees up (work stealing); a lease a worker does not return in time, or
+    loses by dying, goes to another worker, and a group's result is taken once. Weights reach the
+    workers through Ray's object store, versioned; sampling is seeded per group, so the numbers
+    match `kind = "local"`.
+    """
+
+    kind: Literal["ray"] = Field(description="ray: rollout worker actors on a Ray cluster.")
+    address: str = Field(
+        "local", min_length=1, max_length=300,
+        description='"local" starts a Ray instance in this process (stopped at the end); "auto" joins the'
+        ' cluster on this host; "ray://host:port" joins a remote one.',
+    )
+    num_rollout_workers: int = Field(ge=1, le=4096, description="Rollout worker actors, each with its own engine.")
+    num_cpus_per_worker: float = Field(1.0, ge=0, le=1024, description="CPUs Ray reserves for each worker.")
+    num_gpus_per_worker: float = Field(
+        0.0, ge=0, le=64, description="GPUs Ray reserves for each worker (> 0: its engine runs on cuda)."
+    )
+    max_groups_per_lease: int = Field(
+        8, ge=1, le=4096,
+        description="Most prompt groups one lease holds (leases shrink as the queue empties, so the last"
+        " groups go one by one).",
+    )
+    lease_timeout_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="A lease not returned in this long is given to another worker (the first result counts).",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _known_address(cls, value: str) -> str:
+        if value not in ("local", "auto") and not value.startswith("ray://"):
+            raise ValueError('address is "local", "auto" or "ray://host:port"')
+        return value
+
+
 if TYPE_CHECKING:
-    DistributedConfig = LocalDistributedConfig | TorchrunDistributedConfig
+    DistributedConfig = LocalDistributedConfig | TorchrunDistributedConfig | RayDistributedConfig
 else:  # told apart by `kind`; a block without one is "local", as before there were kinds
     DistributedConfig = Annotated[
-        Union[LocalDistributedConfig, TorchrunDistributedConfig],  # noqa: UP007
-        Field(discriminator="kind", description="Scale-out: local (one process) or torchrun."),
+        Union[LocalDistributedConfig, TorchrunDistributedConfig, RayDistributedConfig],  # noqa: UP007
+        Field(discriminator="kind", description="Scale-out: local (one process), torchrun or ray."),
     ]
 
 

@@ -108,6 +108,37 @@ def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
         )
 
 
+def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
+    """Plan-time checks of a `kind = "ray"` config (`rollout.rl.ray_rollout`): Ray is installed,
+    the workers' engine is hf, and every reward scores a group on its own (a reward model
+    normalised over a batch or a running mean would see each worker's share instead)."""
+    import importlib.util
+
+    from rollout.config_base import located_error
+
+    kind, s = cfg.algorithm.kind, cfg.algorithm.settings
+    if (find_spec or importlib.util.find_spec)("ray") is None:
+        raise located_error(
+            source, ["distributed", "kind"],
+            '"ray" needs Ray, which is not installed: pip install "rollout[ray]" (or "ray[default]>=2.40,<3")',
+        )
+    if cfg.inference is not None and cfg.inference.engine != "hf":
+        raise located_error(source, ["inference", "engine"],
+                            f'rollout workers run the hf engine, not "{cfg.inference.engine}" (kind = "ray")')
+    for i, entry in enumerate(getattr(s, "rewards", ())):
+        if getattr(entry, "kind", "function") != "reward_model":
+            continue
+        if entry.normalize in ("batch", "running"):
+            raise located_error(
+                source, ["algorithm", kind, "rewards", str(i), "normalize"],
+                f'"{entry.normalize}" normalises over what one process scores, which differs per rollout worker'
+                ' under kind = "ray" (use "group" or "none")',
+            )
+        if entry.snapshot is not None:
+            raise located_error(source, ["algorithm", kind, "rewards", str(i), "snapshot"],
+                                'rollout workers load a reward model from its folder (model = "...") under kind = "ray"')
+
+
 # --------------------------------------------------------------------------- the process group
 
 
@@ -188,14 +219,15 @@ LOCAL = Distributed()
 
 
 def join_process_group(dist: DistributedConfig, *, device: Literal["auto", "cpu", "cuda"]) -> Distributed:
-    """This process's `Distributed`: `LOCAL` for kind = "local"; under torchrun, the process group
-    joined (NCCL on CUDA, gloo on CPU) with the config's collective timeout."""
+    """This process's `Distributed`: `LOCAL` for kind = "local" and "ray" (one learner process;
+    the rollout workers are Ray actors); under torchrun, the process group joined (NCCL on CUDA,
+    gloo on CPU) with the config's collective timeout."""
     under = under_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist.kind == "local":
+    if dist.kind in ("local", "ray"):
         if under and world > 1:
             raise ConfigError(
-                f'started by a launcher with WORLD_SIZE={world} but [distributed] kind = "local":'
+                f'started by a launcher with WORLD_SIZE={world} but [distributed] kind = "{dist.kind}":'
                 ' set kind = "torchrun" (or start one process)'
             )
         return LOCAL

@@ -27,7 +27,6 @@ from rollout.algorithms.reference import build_model_reference
 from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
-    build_engine,
     episode_setup,
     max_completion_tokens,
     require_samples,
@@ -45,7 +44,8 @@ from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
-from rollout.rl.manager import RolloutManager
+from rollout.rl.manager import GroupSpec, RolloutManager
+from rollout.rl.ray_rollout import build_rollout_engine
 from rollout.run import (
     RunContext,
     evaluate_if_due,
@@ -101,16 +101,19 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
-    rollout_engine = build_engine(
-        base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights"
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    rollout_engine = build_rollout_engine(
+        cfg, base_model, group=GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s),
+        rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
+        on_event=lambda name, fields: rec.event(name, **fields),
     )
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
-        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
-        sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
+        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size, sampling=sampling,
         seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
         max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
         on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
+        group_runner=rollout_engine.group_runner,
     )
     if s.budget.max_steps is None:
         raise AlgorithmError("grpo needs budget.max_steps (epochs and tokens are not defined for sampled data)")

@@ -32,7 +32,7 @@ from rollout.checkpoint import LoopState
 from rollout.errors import AlgorithmError, ConfigError
 from rollout.inference.build import build_engine as build_configured_engine
 from rollout.inference.config import InferenceConfig
-from rollout.inference.hf_engine import load_hf_engine
+from rollout.inference.hf_engine import BATCH_INVARIANT_PAD, load_hf_engine
 from rollout.inference.models import ResolvedModel
 from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import InferenceEngine
@@ -142,6 +142,7 @@ class SamplingEngine:
     engine: InferenceEngine
     sampler: EngineSampler
     weight_sync: WeightSync
+    group_runner: None = None  # groups are made here, by `sampler`
 
     def close(self) -> None:
         self.sampler.close()
@@ -151,8 +152,9 @@ class SamplingEngine:
 def build_engine(
     base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path
 ) -> SamplingEngine:
-    """The in-process hf engine by default (tensors handed over), or the configured [inference]
-    engine (reloads `weights_dir/v<version>`)."""
+    """The in-process hf engine by default (tensors handed over; batch-invariant log-probs, so a
+    group's numbers do not depend on the round it is in), or the configured [inference] engine
+    (reloads `weights_dir/v<version>`)."""
     max_batch = inference.max_batch_size if inference is not None else 256
     if inference is not None and inference.engine != "hf":
         uri = base_model.uri
@@ -161,7 +163,7 @@ def build_engine(
                               DiskReloadWeightSync(engine, weights_dir))
     engine = load_hf_engine(
         base_model.uri, dtype=base_model.dtype, device=str(device), max_batch_size=max_batch,
-        trust_remote_code=base_model.trust_remote_code,
+        trust_remote_code=base_model.trust_remote_code, pad_multiple=BATCH_INVARIANT_PAD,
     )
     return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
 

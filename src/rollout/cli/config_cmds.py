@@ -49,6 +49,10 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
         from rollout.distributed import check_torchrun
 
         check_torchrun(cfg, source=source)
+    if cfg.distributed.kind == "ray":
+        from rollout.distributed import check_ray
+
+        check_ray(cfg, source=source)
 
 
 def check_model_path(cfg: RunConfig) -> None:

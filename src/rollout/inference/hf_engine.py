@@ -13,7 +13,9 @@ The decode loop is our own rather than `model.generate`, for two reasons:
   the request runs alone or in a batch; `generate` draws from one global RNG;
 - rows join and leave the running batch between steps (continuous batching):
   finished rows are dropped from the batch and the KV cache, new requests are
-  prefilled in one forward pass and merged in, left-padded to a common length.
+  prefilled in one forward pass and merged in, left-padded to a common length
+  (with `pad_multiple > 1`, a multiple of it: batch-invariant log-probs, see
+  `BATCH_INVARIANT_PAD`).
 
 Rows are left-padded; position ids count each row's real tokens, so padding
 never shifts a row's positions and the cache of two batches can be merged by
@@ -57,6 +59,21 @@ from rollout.inference.types import (
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+BATCH_INVARIANT_PAD = 16
+"""The `pad_multiple` RL rollout engines use. A row's log-probs depend on its left padding only
+through the padding modulo the width of the CPU kernels' vectorised reductions over the keys
+(16 float32 lanes with AVX-512; 8 with AVX2): padded by 0, 16, 32 or 64 columns a prompt's logits
+are bitwise equal, by 1..15 they differ in the last bits. With the cache width kept a multiple of
+16 (the prefill rounded up, dead columns trimmed in multiples, joiners merged only at a multiple),
+a row's padding is fixed modulo 16 by its own length, so its tokens *and* log-probs are the same
+whichever requests share the batch: a group made by a Ray rollout worker with some groups equals
+the group made locally with all of them (`rollout.rl.ray_rollout`)."""
+
+BATCH_INVARIANT_ROWS = 4
+"""With `pad_multiple > 1`, the fewest rows a forward pass runs with (copies of a row fill it up):
+the CPU matrix products take one kernel path for 1 row, another for 2-3 and a third from 4 rows
+on (measured: a row's result is bitwise the same for every row count >= 4, not for 1 or 2)."""
+
 
 def load_hf_engine(
     model_path: str | Path,
@@ -68,6 +85,7 @@ def load_hf_engine(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     model_name: str | None = None,
+    pad_multiple: int = 1,
 ) -> HFEngine:
     """Load a causal LM and its tokenizer from a folder (or a hub id when online) into an `HFEngine`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,7 +108,8 @@ def load_hf_engine(
     model.to(device).eval()
     name = model_name or Path(str(model_path)).name or str(model_path)
     return HFEngine(
-        model, tokenizer, model_name=name, max_batch_size=max_batch_size, max_model_len=max_model_len
+        model, tokenizer, model_name=name, max_batch_size=max_batch_size, max_model_len=max_model_len,
+        pad_multiple=pad_multiple,
     )
 
 
@@ -105,9 +124,15 @@ class HFEngine:
         model_name: str,
         max_batch_size: int = 32,
         max_model_len: int | None = None,
+        pad_multiple: int = 1,
     ) -> None:
         if max_batch_size < 1:
             raise ModelError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if pad_multiple < 1:
+            raise ModelError(f"pad_multiple must be >= 1, got {pad_multiple}")
+        self.pad_multiple = pad_multiple
+        """Batch-invariant log-probs when > 1 (see `BATCH_INVARIANT_PAD`): the cache width is kept a
+        multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -170,7 +195,10 @@ class HFEngine:
         admit_at = max(1, self.max_batch_size // 4)  # merge joiners in groups: a merge copies the cache
         while prepared or session.num_rows:
             free = self.max_batch_size - session.num_rows
-            if prepared and (session.num_rows == 0 or free >= min(admit_at, _rows(prepared))):
+            joinable = session.num_rows == 0 or (
+                free >= min(admit_at, _rows(prepared)) and session.width % self.pad_multiple == 0
+            )
+            if prepared and joinable:
                 batch = [prepared.popleft()]
                 free -= batch[0].params.n
                 while prepared and prepared[0].params.n <= free:
@@ -272,6 +300,11 @@ class HFSession:
     def num_rows(self) -> int:
         return len(self.rows) + sum(p.params.n for batch in self.waiting for p in batch)
 
+    @property
+    def width(self) -> int:
+        """Columns of the cache (prompt, padding and generated tokens)."""
+        return int(self.mask.shape[1])
+
     def prepare(self, request: GenerationRequest, default: SamplingParams) -> PreparedRequest:
         """Tokenize and check one request (raises `GenerationError` for a prompt that can't run)."""
         params = request.params or default
@@ -306,7 +339,7 @@ class HFSession:
         # mask and last logits are then gathered to one copy per row
         unique: dict[tuple[int, ...], int] = {}
         owner = [unique.setdefault(r.job.prompt_ids, len(unique)) for r in rows]
-        width = max(len(p) for p in unique)
+        width = _round_up(max(len(p) for p in unique), self.engine.pad_multiple)
         device = self.engine.device
         ids = torch.full((len(unique), width), self.engine.pad_token_id, dtype=torch.long, device=device)
         mask = torch.zeros((len(unique), width), dtype=torch.long, device=device)
@@ -369,12 +402,22 @@ class HFSession:
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, cache: Any
     ) -> tuple[Any, torch.Tensor]:
-        """Logits (rows, vocab) of the last position, float32; the updated cache."""
+        """Logits (rows, vocab) of the last position, float32; the updated cache.
+
+        With `pad_multiple > 1`, a pass over fewer than `BATCH_INVARIANT_ROWS` rows runs with copies
+        of the first row added (and dropped from the cache and logits after), so that every matrix
+        product takes the same kernel path whatever the batch size."""
         from transformers import DynamicCache
 
         if cache is None:
             cache = DynamicCache(config=self.engine.model.config)
+        rows = ids.shape[0]
+        extra = max(0, BATCH_INVARIANT_ROWS - rows) if self.engine.pad_multiple > 1 else 0
         with self.engine._lock, torch.inference_mode():
+            if extra:
+                index = torch.cat([torch.arange(rows), torch.zeros(extra, dtype=torch.long)]).to(ids.device)
+                ids, mask, positions = ids[index], mask[index], positions[index]
+                _select_cache_rows(cache, index)
             out = self.engine.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -383,7 +426,9 @@ class HFSession:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return out.past_key_values, out.logits[:, -1, :].float()
+            if extra:
+                _select_cache_rows(out.past_key_values, torch.arange(rows, device=ids.device))
+        return out.past_key_values, out.logits[:rows, -1, :].float()
 
     def _advance(self, logits: torch.Tensor, *, first: int) -> None:
         """Sample the next token of rows[first:] (whose logits these are), record it, retire finished rows."""
@@ -495,6 +540,7 @@ class HFSession:
         dead = (
             int(self.mask.any(dim=0).long().argmax()) if _mergeable(self.cache) else 0
         )  # leading pad-only columns
+        dead -= dead % self.engine.pad_multiple
         self.mask = self.mask[:, dead:]
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
@@ -539,6 +585,17 @@ class _BatchState:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+
+
+def _select_cache_rows(cache: Any, index: torch.Tensor) -> None:
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _rows(prepared: deque[PreparedRequest]) -> int:

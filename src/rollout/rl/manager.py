@@ -13,7 +13,10 @@ a group with a fresh `group_id` and one request for `num_generations` choices
 seeded by `derive_seed(seed, group_id)`. All requests of a round go to the
 sampler together (`submit_all`: with an `EngineSampler`, one `generate` call
 on a worker thread; the engine batches), then every reward function scores
-the round's completions at once (`score_batch`).
+the round's completions at once (`score_batch`). With a `group_runner`
+(`[distributed] kind = "ray"`: `rollout.rl.ray_rollout`) the round's groups
+are made by rollout workers instead, each with `generate_groups` on its own
+engine; everything else (drawing, filtering, carrying, the state) stays here.
 
 Failures are data: a sample whose reward failed or abstained everywhere is
 kept in its group with status "dropped". A group is usable when it has at
@@ -40,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from rollout.errors import ConfigError
 from rollout.inference.sampler import RequestSampler
@@ -81,7 +84,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        sampler: RequestSampler,
+        sampler: RequestSampler | None,
         rows: Sequence[Mapping[str, Any]],
         buffer: DataBuffer,
         *,
@@ -96,8 +99,11 @@ class RolloutManager:
         reward_timeout_s: float = 30.0,
         on_event: EventHook | None = None,
         episodes: EpisodeSetup | None = None,
+        group_runner: GroupRunner | None = None,
     ) -> None:
         problems = []
+        if sampler is None and group_runner is None:
+            problems.append("a sampler or a group runner is needed")
         if buffer.num_rows != len(rows):
             problems.append(f"the data buffer has {buffer.num_rows} rows but the dataset has {len(rows)}")
         if not reward_fns and episodes is None:
@@ -137,6 +143,8 @@ class RolloutManager:
         self.reward_timeout_s = reward_timeout_s
         self.on_event = on_event
         self.episodes = episodes
+        self.group_runner = group_runner
+        self.group_spec = GroupSpec(num_generations, sampling, seed, reward_timeout_s)
         self._next_group_id = 0
         self._carried: list[Group] = []
         self._totals: Counter[str] = Counter()
@@ -195,71 +203,34 @@ class RolloutManager:
         return None
 
     async def _run_round(self, k: int, policy_version: int, stats: _CallStats) -> list[Group]:
-        """Draw `k` rows, generate one group each in a single engine call, score, build samples."""
+        """Draw `k` rows and make one scored group each: here (one engine call for the round) or
+        on the group runner's workers (`rollout.rl.ray_rollout`); the same samples either way."""
         indices = self.buffer.take(k)
         group_ids = list(range(self._next_group_id, self._next_group_id + k))
         self._next_group_id += k
-        if self.episodes is not None:
-            return await self._run_episode_round(indices, group_ids, policy_version, stats)
-        requests = [
-            GenerationRequest(
-                prompt=_prompt_of(self.rows[i]),
-                params=replace(self.sampling, n=self.num_generations, seed=derive_seed(self.seed, gid)),
+        items = [(i, self.rows[i], gid) for i, gid in zip(indices, group_ids, strict=True)]
+        if self.group_runner is not None:
+            started = time.perf_counter()
+            groups = await self.group_runner.run_groups(items, policy_version)
+            generation_s = time.perf_counter() - started
+        else:
+            assert self.sampler is not None  # checked in __init__
+            groups, generation_s = await generate_groups(
+                self.sampler, items, self.group_spec, reward_fns=self.reward_fns, episodes=self.episodes,
+                policy_version=policy_version,
             )
-            for i, gid in zip(indices, group_ids, strict=True)
-        ]
-        started = time.perf_counter()
-        outputs: list[tuple[Completion, ...]] = await asyncio.gather(*self.sampler.submit_all(requests))
-        stats.generation_s += time.perf_counter() - started
+        stats.generation_s += generation_s
         stats.rounds += 1
         stats.groups_generated += k
-
-        flat = [
-            (i, gid, c) for i, gid, choices in zip(indices, group_ids, outputs, strict=True) for c in choices
-        ]
-        stats.tokens += sum(len(c.token_ids) for _, _, c in flat)
-        field_names = sorted({key for i in set(indices) for key in self.rows[i] if key != "prompt"})
-        rewards, components, failures = await score_batch(
-            self.reward_fns,
-            [_prompt_of(self.rows[i]) for i, _, _ in flat],
-            [c.text for _, _, c in flat],
-            {name: [self.rows[i].get(name) for i, _, _ in flat] for name in field_names},
-            timeout_s=self.reward_timeout_s,
-        )
-        samples = [
-            _make_sample(self.rows[i], i, gid, c, reward, parts, failure, policy_version)
-            for (i, gid, c), reward, parts, failure in zip(flat, rewards, components, failures, strict=True)
-        ]
-        self._count_dropped(samples, policy_version, stats)
-        groups: dict[int, list[Sample]] = {}
-        for sample in samples:
-            groups.setdefault(sample.group_id, []).append(sample)
-        return [tuple(groups[gid]) for gid in group_ids]
-
-    async def _run_episode_round(
-        self, indices: list[int], group_ids: list[int], policy_version: int, stats: _CallStats
-    ) -> list[Group]:
-        """One group of `num_generations` multi-turn episodes per row, every turn one engine batch."""
-        assert self.episodes is not None
-        started = time.perf_counter()
-        episodes = await run_episodes(
-            self.sampler, self.episodes.tokenizer, self.episodes.env_factory,
-            [(gid, self.rows[i]) for i, gid in zip(indices, group_ids, strict=True)],
-            num_generations=self.num_generations, sampling=self.sampling, seed=self.seed,
-            limits=self.episodes.limits,
-        )
-        stats.generation_s += time.perf_counter() - started
-        stats.rounds += 1
-        stats.groups_generated += len(indices)
-        groups = [
-            tuple(episode_sample(ep, self.rows[i], i, policy_version) for ep in group)
-            for i, group in zip(indices, episodes, strict=True)
-        ]
-        stats.tokens += sum(sum(s.loss_mask) for g in groups for s in g)
+        if self.episodes is not None:
+            stats.tokens += sum(sum(s.loss_mask) for g in groups for s in g)
+        else:
+            stats.tokens += sum(len(s.completion_token_ids) for g in groups for s in g)
         self._count_dropped([s for g in groups for s in g], policy_version, stats)
-        errors = sum(bool(s.episode.get("env_error")) for g in groups for s in g)
-        if errors:
-            self._emit("env_errors", {"count": errors, "policy_version": policy_version})
+        if self.episodes is not None:
+            errors = sum(bool(s.episode.get("env_error")) for g in groups for s in g)
+            if errors:
+                self._emit("env_errors", {"count": errors, "policy_version": policy_version})
         return groups
 
     def _count_dropped(self, samples: Sequence[Sample], policy_version: int, stats: _CallStats) -> None:
@@ -325,6 +296,8 @@ class RolloutManager:
                 metrics[f"rollout/reward/{name}"] = statistics.fmean(values)
         if self.episodes is not None and samples:
             metrics.update(sample_episode_metrics(samples))
+        if self.group_runner is not None:
+            metrics.update(self.group_runner.take_metrics())
         return metrics
 
     # ------------------------------------------------------------------------ state
@@ -353,6 +326,79 @@ class RolloutManager:
     def totals(self) -> Mapping[str, int]:
         """Counts since the start of the run (saved in the state): batches, groups, drops."""
         return dict(self._totals)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How a group is sampled: what a rollout worker needs besides the rows, its engine and its rewards."""
+
+    num_generations: int
+    sampling: SamplingParams
+    seed: int
+    reward_timeout_s: float = 30.0
+
+
+RoundItem = tuple[int, Mapping[str, Any], int]
+"""(row index, row, group id): one group to make."""
+
+
+class GroupRunner(Protocol):
+    """Makes a round's groups elsewhere (Ray rollout workers): the groups `generate_groups` would
+    make, in the order of `items`."""
+
+    async def run_groups(self, items: Sequence[RoundItem], policy_version: int) -> list[Group]: ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """Its own metrics since the last call (per worker), added to the batch's."""
+        ...
+
+
+async def generate_groups(
+    sampler: RequestSampler, items: Sequence[RoundItem], spec: GroupSpec, *,
+    reward_fns: Sequence[RewardSpec], episodes: EpisodeSetup | None, policy_version: int,
+) -> tuple[list[Group], float]:
+    """One scored group of `spec.num_generations` samples per item, in item order, and the seconds
+    spent generating. Single-turn: every request in one engine call (seeded by `derive_seed(seed,
+    group_id)`), then every reward function on all completions at once; multi-turn: the episodes,
+    every turn one engine batch. The samples depend only on the engine's weights, `spec` and the
+    items, not on which other items share the call."""
+    started = time.perf_counter()
+    if episodes is not None:
+        runs = await run_episodes(
+            sampler, episodes.tokenizer, episodes.env_factory, [(gid, row) for _, row, gid in items],
+            num_generations=spec.num_generations, sampling=spec.sampling, seed=spec.seed, limits=episodes.limits,
+        )
+        groups = [
+            tuple(episode_sample(ep, row, i, policy_version) for ep in group)
+            for (i, row, _), group in zip(items, runs, strict=True)
+        ]
+        return groups, time.perf_counter() - started
+    requests = [
+        GenerationRequest(
+            prompt=_prompt_of(row),
+            params=replace(spec.sampling, n=spec.num_generations, seed=derive_seed(spec.seed, gid)),
+        )
+        for _, row, gid in items
+    ]
+    outputs: list[tuple[Completion, ...]] = await asyncio.gather(*sampler.submit_all(requests))
+    generation_s = time.perf_counter() - started
+    flat = [(i, row, gid, c) for (i, row, gid), choices in zip(items, outputs, strict=True) for c in choices]
+    field_names = sorted({key for _, row, _ in items for key in row if key != "prompt"})
+    rewards, components, failures = await score_batch(
+        reward_fns,
+        [_prompt_of(row) for _, row, _, _ in flat],
+        [c.text for _, _, _, c in flat],
+        {name: [row.get(name) for _, row, _, _ in flat] for name in field_names},
+        timeout_s=spec.reward_timeout_s,
+    )
+    samples = [
+        _make_sample(row, i, gid, c, reward, parts, failure, policy_version)
+        for (i, row, gid, c), reward, parts, failure in zip(flat, rewards, components, failures, strict=True)
+    ]
+    by_group: dict[int, list[Sample]] = {}
+    for sample in samples:
+        by_group.setdefault(sample.group_id, []).append(sample)
+    return [tuple(by_group[gid]) for _, _, gid in items], generation_s
 
 
 def _prompt_of(row: Mapping[str, Any]) -> Prompt:
