@@ -116,7 +116,7 @@ def main() -> int:
             print(f"  {label}: {rate:.1f} samples/s", flush=True)
             return rate
 
-        for n in (int(x) for x in args.workers.split(",")):
+        for n in (int(x) for x in args.workers.split(",") if x):
             row(f"ray, {n} worker{'s' if n > 1 else ''}", n)
         static = row("ray, 2 workers, worker 1 3x slower, static split", 2, "static", {1: 3.0})
         steal = row("ray, 2 workers, worker 1 3x slower, work stealing", 2, "steal", {1: 3.0})

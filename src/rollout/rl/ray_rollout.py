@@ -13,9 +13,10 @@ and env; they make groups with `generate_groups`, the function a local run calls
 
 Work stealing. The round's groups wait in the learner's queue; a worker holds one lease at a time
 and gets the next one the moment it hands a lease back, so a fast worker takes more groups than a
-slow one. A lease has an id, its groups and a deadline (`lease_timeout_s`); it holds
-`ceil(queued / (2 x live workers))` groups, at most `max_groups_per_lease` (guided scheduling:
-big leases while the queue is long, single groups at its end). A worker that dies (its actor
+slow one. A lease has an id, its groups and a deadline (`lease_timeout_s`); it holds half of
+the worker's share of the queue, at most `max_groups_per_lease` groups (guided scheduling: big
+leases while the queue is long, single groups at its end); the share is the worker's measured
+speed (groups/s of its leases so far) over all live workers', equal until each has returned one. A worker that dies (its actor
 fails, `ray.kill`) has its lease's groups re-queued for the others; a lease past its deadline is
 re-queued as well, while the late worker carries on; a group's first result is taken and any
 later one ignored (`rollout/duplicate_results`). A round fails only when no worker is left.
@@ -190,6 +191,7 @@ class RayRollout:
         self._version: int | None = None
         self._next_lease = 0
         self._stats = [_WorkerStats() for _ in range(num_workers)]
+        self._rates: list[float | None] = [None] * num_workers  # groups/s per worker (running average)
         self._requeued = 0
         self._duplicates = 0
         try:
@@ -247,6 +249,9 @@ class RayRollout:
                 except ray.exceptions.RayTaskError as err:
                     raise AlgorithmError(f"rollout worker {lease.worker} failed: {err}") from None
                 stats = self._stats[lease.worker]
+                rate = len(lease.positions) / max(result.busy_s, 1e-6)
+                previous = self._rates[lease.worker]
+                self._rates[lease.worker] = rate if previous is None else (previous + rate) / 2
                 stats.leases += 1
                 stats.busy_s += result.busy_s
                 for position, group in zip(lease.positions, result.groups, strict=True):
@@ -278,7 +283,6 @@ class RayRollout:
     ) -> None:
         """A lease for every live worker without one, while groups wait."""
         busy = {lease.worker for lease in inflight.values()}
-        live = sum(self.alive)
         for worker, handle in enumerate(self.workers):
             if not self.alive[worker] or worker in busy:
                 continue
@@ -287,8 +291,7 @@ class RayRollout:
                 queue.popleft()
             if not queue:
                 continue
-            shares = 2 * live if len(queues) == 1 else 2
-            size = max(1, min(self.max_groups_per_lease, math.ceil(len(queue) / shares)))
+            size = max(1, min(self.max_groups_per_lease, math.ceil(len(queue) * self._share(worker, len(queues)) / 2)))
             positions = []
             while queue and len(positions) < size:
                 position = queue.popleft()
@@ -298,6 +301,19 @@ class RayRollout:
             self._next_lease += 1
             ref = handle.run_lease.remote(lease.lease_id, [items[p] for p in positions], self._version, [self._weights])
             inflight[asyncio.wrap_future(ref.future())] = lease
+
+    def _share(self, worker: int, num_queues: int) -> float:
+        """The part of the queue `worker` should make: its measured speed over all live workers'
+        (equal parts until every live worker has returned a lease)."""
+        if num_queues > 1:
+            return 1.0
+        live = [w for w, ok in enumerate(self.alive) if ok]
+        rates = [self._rates[w] for w in live]
+        if any(r is None for r in rates):
+            return 1 / len(live)
+        rate = self._rates[worker]
+        assert rate is not None
+        return rate / sum(r for r in rates if r is not None)
 
     def _requeue(self, lease: _Lease, queues: list[deque[int]], results: dict[int, Group]) -> int:
         """Put a lease's unfinished groups back at the head of a queue a live worker reads."""
