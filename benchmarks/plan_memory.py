@@ -6,7 +6,10 @@
 
 For each (model, case) it writes a short run config, runs `rollout plan -o plan.lock`, reads the
 estimate from the lock, then runs `rollout run --plan plan.lock` as a child process and takes its
-peak RSS from `os.wait4` (the kernel's `ru_maxrss` of that process alone). Models: the 1.05M
+peak RSS from `os.wait4` (the kernel's `ru_maxrss` of that process). Linux carries the parent's
+peak into a child's `ru_maxrss` (the mm the child had before its `exec` is the parent's), so this
+parent never imports torch: the models and data are made by a child of their own, and the script
+refuses to measure if its own peak RSS is over 100 MiB. Models: the 1.05M
 `init-tiny` default and a 52M one (`init-tiny --hidden-size 512 --num-layers 12 --num-heads 8
 --num-kv-heads 4 --intermediate-size 2304`), both made once under --work. Cases: `sft` (arithmetic
 chats, 32 rows), `sft-long` (4 rows of 512 tokens: the activation term), `dpo` (16 pairs, a frozen
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -126,8 +130,17 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,52m")
     parser.add_argument("--algos", default="sft,sft-long,dpo,grpo", help="cases: sft, sft-long, dpo, grpo")
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--make-inputs-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    models = make_inputs(args.work, args.models.split(","))
+    if args.make_inputs_only:
+        make_inputs(args.work, args.models.split(","))
+        return
+    subprocess.run([sys.executable, __file__, "--make-inputs-only", "--work", str(args.work), "--models", args.models],
+                   check=True)
+    models = {name: args.work / "models" / name for name in args.models.split(",")}
+    own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if own_peak > 100 * MiB:  # it would be every child's floor
+        raise SystemExit(f"this process peaked at {own_peak / MiB:.0f} MiB: its children's ru_maxrss would be wrong")
     print(f"{'model':6} {'case':9} {'estimate':>10} {'measured':>10} {'error':>7}  peak phase   (run s)")
     rows = []
     for model_name, model in models.items():

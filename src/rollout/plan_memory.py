@@ -41,15 +41,17 @@ transformers 5.23, one thread) with `benchmarks/plan_memory.py`, which plans and
 DPO and GRPO configs and compares the estimate with the run's peak RSS (ru_maxrss):
 
     model  case      estimate  measured  error   peak phase
-    tiny   sft         490Mi     487Mi   +0.6%   train_step    (1.05M parameters)
-    tiny   sft-long    579Mi     552Mi   +5.0%   train_step    (4 rows x 512 tokens)
-    tiny   dpo         480Mi     469Mi   +2.3%   train_step
-    tiny   grpo        495Mi     497Mi   -0.4%   train_step
-    52m    sft        2432Mi    2529Mi   -3.9%   snapshot      (52.2M parameters)
-    52m    sft-long   2529Mi    2449Mi   +3.2%   train_step
-    52m    dpo        2616Mi    2517Mi   +3.9%   snapshot
-    52m    grpo       2631Mi    2793Mi   -5.8%   snapshot
+    tiny   sft         490Mi     480Mi   +2.2%   train_step    (1.05M parameters)
+    tiny   sft-long    579Mi     553Mi   +4.7%   train_step    (4 rows x 512 tokens)
+    tiny   dpo         480Mi     477Mi   +0.5%   train_step
+    tiny   grpo        495Mi     492Mi   +0.7%   train_step
+    52m    sft        2432Mi    2523Mi   -3.6%   snapshot      (52.2M parameters)
+    52m    sft-long   2529Mi    2489Mi   +1.6%   train_step
+    52m    dpo        2616Mi    2484Mi   +5.3%   snapshot
+    52m    grpo       2631Mi    2547Mi   +3.3%   snapshot
 
+(2026-11-23, a loaded 2-core VM; the measuring process stays small, since Linux carries a parent's
+peak into its child's ru_maxrss.)
 The GPU figures use the same physics but were not measured (no GPU on the bench machine).
 """
 
