@@ -212,6 +212,13 @@ class BackendConfig(StrictModel):
     kind: Literal["torch", "mock"] = Field("torch", description="torch: real training; mock: no-torch stand-in.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when available.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+    batch_invariant: bool = Field(
+        False,
+        description="GRPO/PPO on the in-process hf engine: sampled log-probs bitwise independent of the "
+        "requests a batch holds (cache width kept a multiple of 16, at least 4 rows a forward pass). "
+        'Ray rollout workers always sample this way: set it on a `kind = "local"` run to get their '
+        "numbers bit for bit. Off by default for now: it shifts GRPO/PPO results by float noise.",
+    )
 
 
 class LocalDistributedConfig(StrictModel):

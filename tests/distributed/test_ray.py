@@ -47,7 +47,7 @@ def _config(dest: Path, inputs, distributed: str, extra: dict[str, str] | None =
     text = text.replace('"../local/data/arithmetic/prompts.jsonl"', f'"{inputs.prompts}"')
     text = text.replace('"../local/models/grpo-tiny"', f'"{dest}/export"')
     text = text.replace('"../local/', f'"{dest}/')
-    text = text.replace('[distributed]\nkind = "local"\n', f'[backend]\nnum_threads = 1\n\n{distributed}')
+    text = text.replace('[distributed]\nkind = "local"\n', f'[backend]\nnum_threads = 1\nbatch_invariant = true\n\n{distributed}')
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "run.toml").write_text(text)
     return dest / "run.toml"

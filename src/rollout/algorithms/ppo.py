@@ -136,7 +136,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
     rollout_engine = build_engine(
-        base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights"
+        base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights",
+        batch_invariant=cfg.backend.batch_invariant,
     )
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,

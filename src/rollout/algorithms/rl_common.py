@@ -150,11 +150,12 @@ class SamplingEngine:
 
 
 def build_engine(
-    base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path
+    base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path,
+    batch_invariant: bool = False,
 ) -> SamplingEngine:
-    """The in-process hf engine by default (tensors handed over; batch-invariant log-probs, so a
-    group's numbers do not depend on the round it is in), or the configured [inference] engine
-    (reloads `weights_dir/v<version>`)."""
+    """The in-process hf engine by default (tensors handed over; with `batch_invariant`, log-probs
+    that do not depend on the round a group is in, as Ray workers make them), or the configured
+    [inference] engine (reloads `weights_dir/v<version>`)."""
     max_batch = inference.max_batch_size if inference is not None else 256
     if inference is not None and inference.engine != "hf":
         uri = base_model.uri
@@ -163,7 +164,8 @@ def build_engine(
                               DiskReloadWeightSync(engine, weights_dir))
     engine = load_hf_engine(
         base_model.uri, dtype=base_model.dtype, device=str(device), max_batch_size=max_batch,
-        trust_remote_code=base_model.trust_remote_code, pad_multiple=BATCH_INVARIANT_PAD,
+        trust_remote_code=base_model.trust_remote_code,
+        pad_multiple=BATCH_INVARIANT_PAD if batch_invariant else 1,
     )
     return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
 

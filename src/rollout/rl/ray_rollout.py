@@ -396,7 +396,8 @@ def build_rollout_engine(
 
     dist = cfg.distributed
     if not isinstance(dist, RayDistributedConfig):
-        return build_engine(base_model, inference=cfg.inference, device=device, weights_dir=weights_dir)
+        return build_engine(base_model, inference=cfg.inference, device=device, weights_dir=weights_dir,
+                            batch_invariant=cfg.backend.batch_invariant)
     import torch
 
     spec = WorkerSpec(
