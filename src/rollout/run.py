@@ -135,6 +135,11 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
         name=cfg.name,
         resumed_from=resume_from.id if resume_from else None,
     )
+    # Running, with a heartbeat, at once: a process killed from here on leaves a run that readers
+    # mark crashed (a `pending` run is marked too, from its creation time, for the instant between).
+    heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
+    store.set_run_status(run.id, "running")
+    heartbeat.start()
     run_dir = cfg.storage.resolved_runs_dir() / run.id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.canonical_json() + "\n")
@@ -144,11 +149,8 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
         runs_dir=cfg.storage.resolved_runs_dir(), config=cfg.model_dump(mode="json"),
     )
     recorder = RunRecorder(store, run.id, run_dir / "events.jsonl", sinks=trackers)
-    heartbeat = Heartbeat(store, run.id, interval_s=beat_s)  # readers mark the run crashed if its process dies silently
     ctx = RunContext(cfg, store, objects, run, run_dir, recorder, resume_from, resume_state,
                      keep_last=cfg.algorithm.settings.snapshot.keep_last, evals=evals, dist=dist)
-    store.set_run_status(run.id, "running")
-    heartbeat.start()
     if dist.active:
         recorder.event("process_group", world_size=dist.world_size, sharding=dist.sharding)
     try:

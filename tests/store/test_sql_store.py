@@ -164,10 +164,12 @@ def test_heartbeat_stamps_running_runs_only(store):
     assert store.heartbeat("no-such-run") is False
 
 
-def test_mark_crashed_marks_only_stale_running_runs(store):
+def test_mark_crashed_marks_only_stale_running_or_pending_runs(store):
+    """A stale `pending` run is one killed between its row and its first heartbeat: crashed too."""
     assert "crashed" in TERMINAL_RUN_STATUSES
     runs = {
-        name: make_run(store, name=name) for name in ("fresh", "stale", "legacy", "pending", "done", "failed")
+        name: make_run(store, name=name)
+        for name in ("fresh", "stale", "legacy", "pending", "new_pending", "done", "failed")
     }
     for name in ("fresh", "stale", "legacy", "done", "failed"):
         store.set_run_status(runs[name].id, "running")
@@ -181,17 +183,17 @@ def test_mark_crashed_marks_only_stale_running_runs(store):
 
     crashed = store.mark_crashed(timeout_s=60.0)
 
-    assert crashed == sorted([runs["stale"].id, runs["legacy"].id])
-    for name in ("stale", "legacy"):
+    assert crashed == sorted([runs["stale"].id, runs["legacy"].id, runs["pending"].id])
+    for name in ("stale", "legacy", "pending"):
         after = store.get_run(runs[name].id)
         assert (after.status, after.error) == ("crashed", "no heartbeat for 60 s (process died?)")
         # ended_at is the last sign of life, so the duration is how long it really ran
-        assert after.ended_at == (before[name].heartbeat_at or before[name].started_at)
-    for name in ("fresh", "pending", "done", "failed"):
+        assert after.ended_at == (before[name].heartbeat_at or before[name].started_at or before[name].created_at)
+    for name in ("fresh", "new_pending", "done", "failed"):
         assert store.get_run(runs[name].id) == before[name]
     assert store.mark_crashed(timeout_s=60.0) == []  # marked once
     assert store.heartbeat(runs["stale"].id) is False  # a late beat does not revive it
-    assert [r.name for r in store.list_runs(status="crashed")] == ["legacy", "stale"]
+    assert sorted(r.name for r in store.list_runs(status="crashed")) == ["legacy", "pending", "stale"]
     assert store.mark_crashed(timeout_s=1000.0) == []
 
 

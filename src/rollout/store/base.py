@@ -197,7 +197,8 @@ class Store(Protocol):
         ...
 
     def mark_crashed(self, *, timeout_s: float) -> list[str]:
-        """Mark `crashed` every running run with no heartbeat (else start) for `timeout_s`; returns their ids.
+        """Mark `crashed` every running run with no heartbeat (else start) for `timeout_s`, and every
+        `pending` run created that long ago (killed before its first beat); returns their ids.
 
         One conditional statement, so a heartbeat that lands first keeps its run alive
         and two readers marking at once mark each run once.

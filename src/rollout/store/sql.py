@@ -205,7 +205,8 @@ class SqlStore:
     def mark_crashed(self, *, timeout_s: float) -> list[str]:
         now = time.time()
         last_alive = sa.func.coalesce(_runs.c.heartbeat_at, _runs.c.started_at, _runs.c.created_at)
-        stale = sa.and_(_runs.c.status == "running", last_alive < now - timeout_s)
+        # `pending`: killed between its row and its first beat (it has no heartbeat: created_at counts)
+        stale = sa.and_(_runs.c.status.in_(("pending", "running")), last_alive < now - timeout_s)
         # A read first: the common case (nothing stale) takes no write lock, and works on a read-only store.
         with self._read("look for crashed runs") as conn:
             if conn.execute(sa.select(_runs.c.id).where(stale).limit(1)).first() is None:
