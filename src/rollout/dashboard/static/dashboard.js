@@ -468,10 +468,12 @@
       const names = metricOrder(new Set(runs.flatMap((r) => r.metric_names)));
       if (!metric || !names.includes(metric)) metric = names[0] || null;
       picker.replaceChildren(...names.map((n) => el("option", { value: n, selected: n === metric ? "" : null }, n)));
-      root.setAttribute("aria-label", metric || "no metrics");
-      const data = metric ? await Promise.all(runs.map((r) => api(`/api/runs/${r.id}/metrics?name=${encodeURIComponent(metric)}`))) : [];
-      chart.lines = runs.map((r, i) => ({ label: r.id, color: COLORS[i], points: data.length ? data[i].series[metric] || [] : [] }));
+      const wanted = metric;
+      const data = wanted ? await Promise.all(runs.map((r) => api(`/api/runs/${r.id}/metrics?name=${encodeURIComponent(wanted)}`))) : [];
+      if (wanted !== metric) return true;  // the picker changed meanwhile: that refresh draws
+      chart.lines = runs.map((r, i) => ({ label: r.id, color: COLORS[i], points: data.length ? data[i].series[wanted] || [] : [] }));
       chart.scale = drawChart(root, chart.lines);
+      root.setAttribute("aria-label", wanted || "no metrics");  // labelled once its lines are drawn
       renderLegend(null);
       for (const swatch of legend.querySelectorAll(".swatch")) swatch.style.background = swatch.dataset.color;
       return runs.some((r) => !r.terminal);
