@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import zlib
 from dataclasses import replace
 
@@ -157,6 +158,10 @@ def test_dynamic_filtering_refills_and_carries_groups_over(rl_engine) -> None:
     assert batch.metrics["rollout/rounds"] == 2
     assert batch.metrics["rollout/filtered_groups_frac"] == 0.25
     assert batch.metrics["rollout/carried_out"] == 1
+    # the trained batch's mean reward leaves the filtered group out; the generated mean does not
+    generated = [s.reward for s in batch.samples] + [1.0] * N + [s.reward for g in manager._carried for s in g]
+    assert batch.metrics["rollout/reward_mean"] == statistics.fmean(s.reward for s in batch.samples)
+    assert batch.metrics["rollout/reward_mean_generated"] == pytest.approx(statistics.fmean(generated), abs=1e-12)
     assert events == [("groups_filtered", {"count": 1, "zero_std": 1})]
     assert [g[0]["group_id"] for g in manager.state_dict()["carried"]] == [3]
 

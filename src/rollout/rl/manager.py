@@ -77,6 +77,7 @@ class _CallStats:
     generation_s: float = 0.0
     tokens: int = 0
     carried_in: int = 0
+    generated_rewards: list[float] = field(default_factory=list)  # every group this call made, filtered or not
 
 
 class RolloutManager:
@@ -159,6 +160,7 @@ class RolloutManager:
             missing = self.prompts_per_batch - len(ready)
             groups = await self._run_round(self._round_size(missing, stats), policy_version, stats)
             for group in groups:
+                stats.generated_rewards.extend(s.reward for s in group if s.ok and s.reward is not None)
                 reason = self._reject_reason(group)
                 if reason is None:
                     ready.append(group)
@@ -288,8 +290,10 @@ class RolloutManager:
                 samples
             )
         if rewards:
-            metrics["rollout/reward_mean"] = statistics.fmean(rewards)
+            metrics["rollout/reward_mean"] = statistics.fmean(rewards)  # the batch trained on
             metrics["rollout/reward_std"] = statistics.pstdev(rewards)
+        if stats.generated_rewards:  # the policy's own success rate: dynamic sampling's filter does not bias it
+            metrics["rollout/reward_mean_generated"] = statistics.fmean(stats.generated_rewards)
         for name, _, _ in self.reward_fns:
             values = [v for s in ok if (v := s.reward_components.get(name)) is not None]
             if values:
