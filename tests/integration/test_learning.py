@@ -2,7 +2,8 @@
 
 SFT: greedy accuracy on `eval_prompts.jsonl` (drawn from an RNG stream
 independent of the training lines) >= 90%.
-RM (from the SFT model): pair accuracy on `eval_pref.jsonl` >= 90%.
+RM (from the SFT model, reward-centred): pair accuracy on `eval_pref.jsonl` >= 87% (seeds 0-4:
+0.92-1.0; seed 0, run here, 0.955).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_rm_example_ranks_held_out_pairs(workspace, sft_run, tmp_path):
     tok = AutoTokenizer.from_pretrained(export)
     acc = pair_accuracy(model, tok, _rows(workspace / "data" / "arithmetic" / "eval_pref.jsonl"), max_seq_len=64)
     print(f"RM pair accuracy on held-out pairs: {acc:.3f}")
-    assert acc >= 0.90
+    assert acc >= 0.87
     # the example's eval_dataset: the same figure, logged by the run at its last step
     assert result.metrics["eval/pair_accuracy"] == acc
     store = open_store("embedded", path=cfg.storage.embedded.path)
@@ -114,41 +115,3 @@ def test_kto_example_widens_the_desirable_gap(workspace, sft_run, tmp_path):
     after = desirable_gap(AutoModelForCausalLM.from_pretrained(tmp_path / "kto-export"), tok, lines, max_seq_len=64)
     print(f"KTO held-out log-prob gap (desirable - undesirable): {before:.3f} -> {after:.3f}")
     assert after > before + 1.0
-
-
-def _eval_pass1(capsys, model_dir, data, store_path) -> float:
-    """Greedy pass@1 of `rollout eval` on the calculator env (tool calls parsed, run and answered)."""
-    from rollout.cli.main import main
-
-    args = ["eval", "--env", "calculator", "--data", str(data), "--model", str(model_dir), "--temperature", "0",
-            "--max-turns", "3", "--max-tokens", "48", "--json", "--storage-path", str(store_path), "--threads", "1"]  # fmt: skip
-    capsys.readouterr()
-    try:
-        main(args)
-    except SystemExit as exit_:
-        assert not exit_.code, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)["metrics"]["pass@1"]
-
-
-def test_calculator_tool_use_is_learned_from_traces(workspace, sft_run, tmp_path, capsys):
-    """The demo's tool-use SFT: from the arithmetic SFT model, on calculator traces.
-
-    Held-out: 200 products the traces never show, greedy, up to 3 turns (a call, the tool's
-    answer, the final answer). Measured (seed 0, 1 thread): the model without traces 0.0, the
-    traced model 0.71 (4-digit results 35/44, 5-digit 107/156). The GRPO stage that follows in
-    the demo is not asserted here yet: its gain on this task has no multi-seed measurement."""
-    from rollout.algorithms.sft import train_sft
-    from rollout.tasks.calculator import write_calculator_data
-
-    data = write_calculator_data(workspace / "data" / "calculator")["eval_prompts"]
-    sft_export = sft_run[0].algorithm.settings.export.dir
-    store = tmp_path / "evals.db"
-    without_tool = _eval_pass1(capsys, sft_export, data, store)  # never saw a tool call: must compute itself
-    sft_cfg = load_config(example_config("tools-sft-tiny.toml", workspace, tmp_path / "sft", {
-        '"../local/models/sft-tiny"': f'"{sft_export}"',
-    }))
-    train_sft(sft_cfg)
-    sft_acc = _eval_pass1(capsys, sft_cfg.algorithm.settings.export.dir, data, store)
-    print(f"calculator pass@1: no tool traces {without_tool:.3f}, tools SFT {sft_acc:.3f}")
-    assert without_tool <= 0.05
-    assert sft_acc >= 0.50
