@@ -224,15 +224,14 @@ class RolloutManager:
         stats.generation_s += generation_s
         stats.rounds += 1
         stats.groups_generated += k
-        if self.episodes is not None:
-            stats.tokens += sum(sum(s.loss_mask) for g in groups for s in g)
-        else:
-            stats.tokens += sum(len(s.completion_token_ids) for g in groups for s in g)
-        self._count_dropped([s for g in groups for s in g], policy_version, stats)
-        if self.episodes is not None:
-            errors = sum(bool(s.episode.get("env_error")) for g in groups for s in g)
-            if errors:
-                self._emit("env_errors", {"count": errors, "policy_version": policy_version})
+        samples = [s for g in groups for s in g]
+        self._count_dropped(samples, policy_version, stats)
+        if self.episodes is None:
+            stats.tokens += sum(len(s.completion_token_ids) for s in samples)
+            return groups
+        stats.tokens += sum(sum(s.loss_mask) for s in samples)  # sampled tokens only, not the env's
+        if errors := sum(bool(s.episode.get("env_error")) for s in samples):
+            self._emit("env_errors", {"count": errors, "policy_version": policy_version})
         return groups
 
     def _count_dropped(self, samples: Sequence[Sample], policy_version: int, stats: _CallStats) -> None:
