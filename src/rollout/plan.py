@@ -360,7 +360,8 @@ def check_plugins(cfg: RunConfig, rows: list[Row]) -> tuple[list[PluginCheck], l
     fields = sorted({key for row in rows for key in row.data if key != "prompt"})
     for entry in s.rewards:
         if isinstance(entry, RewardModelSpec):
-            where = str(entry.model) if entry.model is not None else f"snapshot {entry.snapshot}"
+            where = (str(entry.model) if entry.model is not None else f"served at {entry.url}" if entry.url
+                     else f"snapshot {entry.snapshot}")
             checks.append(PluginCheck("reward", entry.name, "reward_model", where))
         elif isinstance(entry, SidecarRewardSpec):
             checks.append(_check_sidecar(entry, "reward", entry.label))
@@ -508,7 +509,8 @@ def build_workload(cfg: RunConfig, shape: ModelShape, lengths: LengthReport) -> 
         engine = shape if cfg.inference is None or cfg.inference.engine == "hf" else None
         value = shape if isinstance(s, PPOConfig) else None
         uses_reference = (isinstance(s, GRPOConfig) and s.beta > 0) or (isinstance(s, PPOConfig) and s.kl_coef > 0)
-        reward_models = tuple(_reward_model_shape(e, shape) for e in s.rewards if isinstance(e, RewardModelSpec))
+        reward_models = tuple(_reward_model_shape(e, shape) for e in s.rewards  # a served RM is not in this process
+                              if isinstance(e, RewardModelSpec) and e.url is None)
     else:
         rows_per_micro = s.minibatch_size * (2 if kind in ("rm", "dpo", "kto") else 1)
         if s.packing.kind == "off":  # padded to the longest row of the batch: at worst the longest sample

@@ -248,6 +248,39 @@ def test_grpo_takes_a_reward_model_too(workspace, tiny_rm, tmp_path):
     assert [m.step for m in raw] == [1, 2] and grouped == pytest.approx([0.0, 0.0], abs=1e-6)  # centred per prompt
 
 
+def test_ppo_scores_with_a_served_rm_as_with_the_same_rm_in_process(workspace, tiny_rm, tmp_path):
+    """`url = ...` of `rollout serve --model <RM>` (a real server, real HTTP): the run logs the same RM
+    scores at every step as the run that loads the RM in process."""
+    import re
+    import signal
+
+    from rollout.algorithms.ppo import train_ppo
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", ROLLOUT_API_KEY="k")
+    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli.main", "serve", "--model", str(tiny_rm), "--port", "0",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line)
+        assert url, (line, proc.stderr.read() if proc.poll() is not None else "")
+        os.environ["RM_KEY"] = "k"
+        runs = {}
+        for where, entry in [("local", f'model = "{tiny_rm}"'),
+                             ("served", f'url = "{url.group(1)}"\napi_key_env = "RM_KEY"')]:
+            cfg = load_config(_config(workspace, tmp_path / where, tiny_rm, {
+                f'model = "{tiny_rm}"': entry, "max_steps = 4": "max_steps = 2"}))
+            result = train_ppo(cfg)
+            store = open_store("embedded", path=cfg.storage.embedded.path)
+            runs[where] = [m.value for m in store.read_metrics(result.run_id, name="rollout/reward/rm")]
+            store.close()
+    finally:
+        os.environ.pop("RM_KEY", None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert len(runs["served"]) == 2 and runs["served"] == pytest.approx(runs["local"], abs=1e-5)
+
+
 # --- learning ---------------------------------------------------------------------------
 
 

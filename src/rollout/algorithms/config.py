@@ -372,8 +372,9 @@ _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 class RewardModelSpec(StrictModel):
-    """A trained reward model (`rollout train rm`) as a reward, scored in process: frozen, no grad,
-    its own tokenizer and chat template (`rollout.rl.reward_model`)."""
+    """A trained reward model (`rollout train rm`) as a reward: scored in process (`model` or
+    `snapshot`: frozen, no grad, its own tokenizer and chat template, `rollout.rl.reward_model`) or
+    by `rollout serve --model <RM export>` (`url`, `rollout.rl.served_reward`)."""
 
     kind: Literal["reward_model"]
     name: str = Field(
@@ -391,13 +392,34 @@ class RewardModelSpec(StrictModel):
         " baseline); batch: standardised over each scored batch; running: standardised by the mean/std of"
         " every score so far (kept in snapshots).",
     )
-    batch_size: int = Field(32, ge=1, le=65536, description="Sequences per RM forward pass.")
+    batch_size: int = Field(32, ge=1, le=65536, description="Sequences per RM forward pass (with url: per request).")
     max_seq_len: int = Field(512, ge=2, le=1_048_576, description="Prompt + completion tokens kept (the first).")
+    # a served RM; excluded from the dump when unset: a config without them keeps the digest it always had
+    url: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048, exclude_if=lambda v: v is None,
+        description='A served RM\'s base URL ("http://host:port/v1" of `rollout serve --model <RM export>`); or set'
+        " model or snapshot.",
+    )
+    api_key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128, exclude_if=lambda v: v is None,
+        description="With url: the environment variable holding the server's bearer key (never the key itself).",
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, le=3600, exclude_if=lambda v: v == 60.0, description="With url: seconds per request."
+    )
+    max_retries: int = Field(
+        3, ge=0, le=20, exclude_if=lambda v: v == 3,
+        description="With url: retries of a request that failed to connect, timed out or got 429/502/503/504.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardModelSpec:
-        if (self.model is None) == (self.snapshot is None):
-            raise ValueError("set exactly one of model (an RM export folder) and snapshot (an RM snapshot id)")
+        if sum(x is not None for x in (self.model, self.snapshot, self.url)) != 1:
+            raise ValueError("set exactly one of model (an RM export folder), snapshot (an RM snapshot id) and url"
+                             " (a served RM)")
+        if self.url is None and (self.api_key_env is not None or "request_timeout_s" in self.model_fields_set
+                                 or "max_retries" in self.model_fields_set):
+            raise ValueError("api_key_env, request_timeout_s and max_retries go with url (a served RM)")
         if self.snapshot is not None and not _SNAPSHOT_ID.match(self.snapshot):
             raise ValueError(f"snapshot {self.snapshot!r} is not a snapshot id (8 to 64 lowercase hex characters)")
         problem = reward_model_dir_problem(self.model) if self.model is not None else None

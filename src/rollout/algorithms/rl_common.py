@@ -41,7 +41,7 @@ from rollout.models.load import ModelSource
 from rollout.rl.envs import resolve_env, reward_from_env
 from rollout.rl.episode import EpisodeLimits, EpisodeSetup
 from rollout.rl.manager import RolloutManager
-from rollout.rl.reward_model import RewardModelReward, export_reward_model_snapshot, load_reward_model
+from rollout.rl.reward_model import NormalizedReward, export_reward_model_snapshot, load_reward_model
 from rollout.rl.rewards import resolve_reward
 from rollout.rl.tools import resolve_tools
 from rollout.rl.types import RewardSpec, RolloutBatch, Sample
@@ -79,14 +79,17 @@ def resolve_reward_specs(
 
 def build_reward_model(
     entry: RewardModelSpec, *, ctx: RunContext | None, device: torch.device | None, dtype: str
-) -> RewardModelReward:
-    """A `kind = "reward_model"` entry as a frozen RM reward function."""
+) -> NormalizedReward:
+    """A `kind = "reward_model"` entry as a frozen RM reward function (a served one is checked here,
+    before the run trains: reachable, with its key, and a reward model)."""
+    if entry.url is not None:
+        return served_reward_model(entry)
     path = entry.model
     if entry.snapshot is not None:
         if ctx is None:
             raise AlgorithmError(f"reward model {entry.name}: a snapshot id needs the run's store")
         path = export_reward_model_snapshot(ctx.store, ctx.objects, entry.snapshot, ctx.run_dir / "reward-models")
-    assert path is not None  # the config holds exactly one of model and snapshot
+    assert path is not None  # the config holds exactly one of model, snapshot and url
     seed = ctx.config.seed if ctx is not None else 0
     return load_reward_model(
         path, device=device or torch.device("cpu"), dtype=dtype, batch_size=entry.batch_size,
@@ -94,14 +97,35 @@ def build_reward_model(
     )
 
 
+def served_reward_model(entry: RewardModelSpec) -> NormalizedReward:
+    """A `url` entry as a `ServedRewardModel`, checked against its server."""
+    import os
+
+    from rollout.rl.served_reward import RewardServerError, ServedRewardModel
+
+    assert entry.url is not None
+    key = None
+    if entry.api_key_env is not None:
+        key = os.environ.get(entry.api_key_env)
+        if not key:
+            raise ConfigError(f"reward model {entry.name}: api_key_env names ${entry.api_key_env}, which is not set")
+    rm = ServedRewardModel(entry.url, api_key=key, batch_size=entry.batch_size, timeout_s=entry.request_timeout_s,
+                           max_retries=entry.max_retries, normalize=entry.normalize)
+    try:
+        rm.check()
+    except RewardServerError as err:
+        raise ConfigError(f"reward model {entry.name}: {err}") from None
+    return rm
+
+
 def reward_states(specs: Sequence[RewardSpec]) -> dict[str, dict[str, Any]]:
     """The state of every stateful reward (an RM's running moments), by name, for a snapshot."""
-    return {name: fn.state_dict() for name, fn, _ in specs if isinstance(fn, RewardModelReward) and fn.normalize == "running"}
+    return {name: fn.state_dict() for name, fn, _ in specs if isinstance(fn, NormalizedReward) and fn.normalize == "running"}
 
 
 def load_reward_states(specs: Sequence[RewardSpec], states: Mapping[str, Any]) -> None:
     for name, fn, _ in specs:
-        if isinstance(fn, RewardModelReward) and name in states:
+        if isinstance(fn, NormalizedReward) and name in states:
             fn.load_state_dict(states[name])
 
 

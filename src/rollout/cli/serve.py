@@ -1,6 +1,7 @@
 """`rollout serve`: an OpenAI-compatible HTTP server for a model folder or a snapshot.
 
     rollout serve --model local/models/sft-tiny                          # http://127.0.0.1:8000/v1
+    rollout serve --model local/models/rm-tiny --port 8001               # a reward model: POST /v1/rewards
     rollout serve --model 3f2a9c1e --port 8001 --api-key "$KEY" --admin-key "$ADMIN"
     rollout serve --model local/models/sft-tiny --port 0                 # any free port (printed)
 
@@ -14,13 +15,18 @@ from __future__ import annotations
 
 import socket
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from rollout.cli.infer import ConfigOption, DtypeOption, ModelOption, ThreadsOption, storage_locations
 from rollout.cli.snapshot import ObjectPathOption, StoragePathOption
 from rollout.errors import ConfigError, RolloutError
+
+if TYPE_CHECKING:
+    from rollout.inference.config import InferenceConfig
+    from rollout.inference.models import ResolvedModel
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -60,6 +66,7 @@ def serve(
     object_path: ObjectPathOption = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
+    from rollout.algorithms.config import reward_model_dir_problem
     from rollout.inference.build import build_engine, resolve_engine_model
     from rollout.inference.config import load_inference_config, with_overrides
 
@@ -80,6 +87,10 @@ def serve(
 
     storage, objects = storage_locations(storage_path, object_path)
     resolved = resolve_engine_model(cfg, model=model, storage_path=storage, object_path=objects)
+    if reward_model_dir_problem(Path(resolved.path)) is None:  # an RM export: POST /v1/rewards, no generation
+        _serve_reward_model(cfg, resolved, listener, host=host, api_key=api_key or None,
+                            name=served_model_name or resolved.name, log_level=log_level)
+        return
     engine = build_engine(cfg, resolved)
     s = cfg.server
     settings = ServerSettings(
@@ -114,6 +125,38 @@ def serve(
         server.run(sockets=[listener])
     finally:
         engine.close()
+
+
+def _serve_reward_model(
+    cfg: InferenceConfig, resolved: ResolvedModel, listener: socket.socket, *, host: str, api_key: str | None, name: str,
+    log_level: str,
+) -> None:
+    """Serve a reward model's scores (`rollout.serve.reward_app`): prompt + completion rendered as
+    `rollout train rm` rendered its pairs, the first `max_model_len` tokens (default 512, the
+    `max_seq_len` default of a reward entry) scored."""
+    import torch
+    import uvicorn
+
+    from rollout.rl.reward_model import load_reward_model
+    from rollout.serve.reward_app import RewardServerSettings, create_reward_app
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else "cpu" if cfg.device == "auto" else cfg.device
+    rm = load_reward_model(resolved.path, device=torch.device(device), dtype=cfg.dtype, batch_size=cfg.max_batch_size,
+                           max_seq_len=cfg.max_model_len or 512)
+    app = create_reward_app(rm, RewardServerSettings(model_name=name, api_key=api_key,
+                                                     max_body_bytes=cfg.server.max_body_bytes))
+    bound_host, bound_port = listener.getsockname()[:2]
+    if host not in LOOPBACK and not api_key:
+        print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+    typer.echo(f"serving reward model {name} on http://{_url_host(bound_host)}:{bound_port}/v1"
+               f" (POST /v1/rewards; api key {'on' if api_key else 'off'})")
+    sys.stdout.flush()
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    )
+    server.run(sockets=[listener])
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -37,8 +37,10 @@ last batch). Normalisations:
            (Chan et al.'s parallel update); the moments are part of the RL snapshot, so a
            resumed run normalises exactly as the uninterrupted one.
 
-A served RM (scoring over HTTP) is not implemented yet: rollout's server has no
-scoring route.
+A served RM: `rollout serve --model <RM export>` answers `POST /v1/rewards`
+(`rollout.serve.reward_app`) with these same raw scores, and an entry with `url
+= "http://host:port/v1"` scores there (`rollout.rl.served_reward`), normalised
+here exactly as in process.
 """
 
 from __future__ import annotations
@@ -118,15 +120,14 @@ def normalize_scores(
 # --- the reward function --------------------------------------------------------------
 
 
-class RewardModelReward:
-    """A frozen reward model as a batched reward function `(prompts, completions, **fields) -> scores`."""
+class NormalizedReward:
+    """A scorer as a batched reward function `(prompts, completions, **fields) -> scores`, with the
+    entry's normalisation, its running moments (snapshot state) and a one-batch memory, so `raw`
+    and `__call__` on the same batch cost one scoring. Subclasses score in `_forward`: in process
+    (`RewardModelReward`) or over HTTP (`rollout.rl.served_reward.ServedRewardModel`)."""
 
-    def __init__(
-        self, model: Any, tokenizer: Any, *, device: Any, batch_size: int = 32, max_seq_len: int = 512,
-        normalize: Normalize = "none",
-    ) -> None:
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.batch_size, self.max_seq_len, self.normalize = batch_size, max_seq_len, normalize
+    def __init__(self, *, normalize: Normalize = "none") -> None:
+        self.normalize = normalize
         self.moments = Moments()
         self._lock = threading.Lock()  # a timed-out call may still run in its thread
         self._last: tuple[tuple[tuple[str, ...], tuple[str, ...]], list[float]] | None = None
@@ -144,8 +145,9 @@ class RewardModelReward:
         return self.score(prompts, completions)
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-        """The RM's raw score of every (prompt, completion). The last batch is remembered, so
-        `raw` and `__call__` on the same batch (run side by side by `score_batch`) cost one pass."""
+        """The raw score of every (prompt, completion); the last batch is remembered."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         key = (tuple(_prompt_key(p) for p in prompts), tuple(completions))
         with self._lock:
             if self._last is not None and self._last[0] == key:
@@ -155,13 +157,39 @@ class RewardModelReward:
             return list(scores)
 
     def _forward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON: the running moments (what a resumed run needs)."""
+        m = self.moments
+        return {"count": m.count, "mean": m.mean, "m2": m.m2}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.moments = Moments(count=int(state["count"]), mean=float(state["mean"]), m2=float(state["m2"]))
+
+
+class RewardModelReward(NormalizedReward):
+    """A frozen reward model scoring in this process."""
+
+    def __init__(
+        self, model: Any, tokenizer: Any, *, device: Any, batch_size: int = 32, max_seq_len: int = 512,
+        normalize: Normalize = "none",
+    ) -> None:
+        super().__init__(normalize=normalize)
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    def _forward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+        return self.score_samples(self.tokenize(prompts, completions))
+
+    def score_samples(self, samples: Sequence[Any]) -> list[float]:
+        """Scores of tokenised samples (`tokenize`), in batches sorted by length (less padding)."""
         import torch
 
         from rollout.algorithms.rm import score_sequences
         from rollout.backends.torch_backend import move_to
         from rollout.data.collate import collate_padded
 
-        samples = self.tokenize(prompts, completions)
         order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
         out = [0.0] * len(samples)
         with torch.inference_mode():  # grad mode is per thread: set here, in the scoring thread
@@ -184,14 +212,6 @@ class RewardModelReward:
         if stats.num_dropped:  # only a sequence of one token is dropped: an empty text prompt and completion
             raise ValueError(f"{stats.num_dropped} prompt + completion rendered to a single token")
         return samples
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON: the running moments (what a resumed run needs)."""
-        m = self.moments
-        return {"count": m.count, "mean": m.mean, "m2": m.m2}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.moments = Moments(count=int(state["count"]), mean=float(state["mean"]), m2=float(state["m2"]))
 
 
 def _prompt_key(prompt: Prompt) -> str:

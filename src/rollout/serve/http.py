@@ -27,6 +27,7 @@ KNOWN_PATHS = (
     "/health",
     "/metrics",
     "/update_weights_from_disk",
+    "/v1/rewards",
 )
 
 
