@@ -52,8 +52,9 @@ demo: install
 	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/*)"
 
 # Two workers (one torch thread each), whole files per worker so a module's fixtures are built once.
+# --durations lists the 25 slowest tests at the end (where the suite's time goes).
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
