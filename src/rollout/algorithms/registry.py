@@ -112,7 +112,7 @@ BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec(
             "grpo", GRPOConfig, "prompt", "rollout.algorithms.grpo:train_grpo",
             "Group relative policy optimisation against rewards / a verifiable env.",
-            distributed=("local", "ray"),
+            distributed=("local", "torchrun", "ray"),
         ),
         AlgorithmSpec(
             "ppo", PPOConfig, "prompt", "rollout.algorithms.ppo:train_ppo",
