@@ -273,11 +273,14 @@ GRPO_SMALL = {
 }
 
 
-def _grpo_config(dest: Path, inputs, distributed: str, store: Path | None = None) -> Path:
+def _grpo_config(
+    dest: Path, inputs, distributed: str, store: Path | None = None, extra: dict[str, str] | None = None
+) -> Path:
     """examples/grpo-tiny.toml, small (4 prompts x 4 samples a step, 2 micro-batches), on the tiny
-    model, one torch thread, batch-invariant sampling, under `distributed`."""
+    model, one torch thread, batch-invariant sampling, under `distributed`; then `extra`'s
+    replacements."""
     text = (ROOT / "examples" / "grpo-tiny.toml").read_text()
-    for old, new in GRPO_SMALL.items():
+    for old, new in {**GRPO_SMALL, **(extra or {})}.items():
         assert old in text, old
         text = text.replace(old, new)
     store = store or dest
@@ -363,12 +366,18 @@ def test_grpo_world_size_2_resumes_at_2_and_at_1(grpo_runs, inputs):
     _assert_close({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1, loss_atol=1e-6)
 
 
-def test_grpo_two_ddp_ranks_match_one_process(grpo_runs, inputs, tmp_path):
-    (one, run_one), _ = grpo_runs
-    _, losses_one, _, weights_one = _trained(one, run_one)
-    two = _grpo_config(tmp_path, inputs, distributed_block(2, "ddp"))
+def test_grpo_micro_batches_of_one_row_on_two_ddp_ranks(inputs, tmp_path):
+    """16 micro-batches of one row a step: rank 1 has no row of its own in any of them and runs a
+    row that counts no token (each rank must run every micro-batch), so the step is still one
+    process's."""
+    one_row = {"gradient_accumulation = 1": "gradient_accumulation = 16"}
+    one = _grpo_config(tmp_path / "one", inputs, distributed_block(None), extra=one_row)
+    two = _grpo_config(tmp_path / "two", inputs, distributed_block(2, "ddp"), extra=one_row)
     run_two = run_id_of(_grpo_cli(two))
+    run_one = _train_local(one)
+    _, losses_one, _, weights_one = _trained(one, run_one)
     status, losses_two, _, weights_two = _trained(two, run_two)
     assert status == "succeeded"
     assert _rewards(two, run_two) == _rewards(one, run_one)
     _assert_close(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
+    assert min(abs(losses_two[s]) for s in (2, 4)) > 1e-3
