@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/pytest tests/distributed -q
 
-- SFT (FSDP2), DPO (FSDP2 and DDP) and RM (FSDP2) on 2 ranks give one process's per-step losses
+- SFT (FSDP2), DPO (FSDP2 and DDP), KTO (FSDP2) and RM (FSDP2) on 2 ranks give one process's per-step losses
   (same global batch) within 1e-5 relative and its final weights within 1e-5; SFT's eval during
   training samples the same completions, and its export holds the same weights;
 - a world-size-2 snapshot resumes at world size 1 (the uninterrupted one-process numbers) and at
@@ -163,7 +163,7 @@ def test_world_size_2_snapshot_resumes_at_1_and_at_2(sft_runs, inputs):
     assert snaps_r2[N].parent_id == middle
 
 
-@pytest.mark.parametrize(("kind", "sharding"), [("dpo", "fsdp"), ("dpo", "ddp"), ("rm", "fsdp")])
+@pytest.mark.parametrize(("kind", "sharding"), [("dpo", "fsdp"), ("dpo", "ddp"), ("rm", "fsdp"), ("kto", "fsdp")])
 def test_preference_two_ranks_match_one_process(kind, sharding, inputs, tmp_path):
     one = write_config(tmp_path / "one", kind, inputs, distributed=distributed_block(None), max_steps=N,
                        every_steps=N)
@@ -176,7 +176,7 @@ def test_preference_two_ranks_match_one_process(kind, sharding, inputs, tmp_path
     assert status_one == status_two == "succeeded"
     # RM: Adam turns the float noise of a few near-zero gradients into up to ~lr-sized differences
     # (6 of 1.05M weights beyond 1e-5 here, the largest 1e-4, while the losses agree to 1e-7)
-    _assert_close(losses_one, losses_two, weights_one, weights_two, atol=1e-5 if kind == "dpo" else 5e-4)
+    _assert_close(losses_one, losses_two, weights_one, weights_two, atol=5e-4 if kind == "rm" else 1e-5)
     assert losses_two[N] != losses_two[1]  # it trained
 
 

@@ -108,6 +108,7 @@ BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec(
             "kto", KTOConfig, "kto", "rollout.algorithms.kto:train_kto",
             "Kahneman–Tversky optimisation on unpaired good/bad completions.",
+            distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "grpo", GRPOConfig, "prompt", "rollout.algorithms.grpo:train_grpo",
