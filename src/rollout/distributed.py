@@ -24,7 +24,10 @@ deterministic); each micro-batch's rows are split into equal contiguous slices, 
 ranks' counts) and the ranks' gradients are summed (FSDP2: gradient divide factor 1 with sum
 reductions; DDP averages, so its loss is scaled by the world size), so the gradient is the
 single-process gradient up to float reassociation: per-step losses agree to ~1e-7. The data
-cursor stays global.
+cursor stays global. GRPO's batch is sampled, not planned: each rank samples its share of the
+groups and the ranks exchange them (`rollout.rl.torchrun_rollout`, `all_gather_1d`), then every
+rank holds the whole batch and trains on its slice of each micro-batch; `export_weights` gives
+every rank the full weights for its engine.
 
 The model. `wrap_for_training` puts the model under a `LossStep` module whose forward runs a loss
 function on it, so the wrapper's hooks see every forward although the recipes' loss functions call
