@@ -101,10 +101,13 @@ def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
     assert isinstance(dist, TorchrunDistributedConfig)
     world = dist.nproc_per_node * dist.nnodes
     if s.minibatch_size % world:
+        what = "prompts" if kind == "grpo" else "rows"
+        how = "each rank samples an equal share of a step's prompts" if kind == "grpo" else (
+            "each micro-batch is shared out evenly")
         raise located_error(
             source, ["algorithm", kind, "minibatch_size"],
-            f"{s.minibatch_size} rows do not split over {world} ranks (nproc_per_node x nnodes):"
-            " each micro-batch is shared out evenly, so use a multiple of the world size",
+            f"{s.minibatch_size} {what} do not split over {world} ranks (nproc_per_node x nnodes):"
+            f" {how}, so use a multiple of the world size",
         )
     if s.lora is not None and dist.sharding == "fsdp":
         raise located_error(

@@ -142,7 +142,7 @@ def test_validate_refuses_what_torchrun_cannot_run(inputs, tmp_path):
     for old, new, message in [
         ("off_policy_steps = 0", "off_policy_steps = 1",
          "algorithm.grpo.off_policy_steps: generating the next batch while training is not implemented"),
-        ("minibatch_size = 16", "minibatch_size = 15", "algorithm.grpo.minibatch_size: 15 rows do not split over 2"),
+        ("minibatch_size = 16", "minibatch_size = 15", "algorithm.grpo.minibatch_size: 15 prompts do not split over 2"),
         ("[distributed]", '[inference]\nengine = "openai"\nbase_url = "http://127.0.0.1:1/v1"\n[distributed]',
          'inference.engine: torchrun ranks sample with the hf engine, not "openai"'),
     ]:
