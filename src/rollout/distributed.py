@@ -24,7 +24,10 @@ deterministic); each micro-batch's rows are split into equal contiguous slices, 
 ranks' counts) and the ranks' gradients are summed (FSDP2: gradient divide factor 1 with sum
 reductions; DDP averages, so its loss is scaled by the world size), so the gradient is the
 single-process gradient up to float reassociation: per-step losses agree to ~1e-7. The data
-cursor stays global.
+cursor stays global. GRPO's batch is sampled, not planned: each rank samples its share of the
+groups and the ranks exchange them (`rollout.rl.torchrun_rollout`, `all_gather_1d`), then every
+rank holds the whole batch and trains on its slice of each micro-batch; `export_weights` gives
+every rank the full weights for its engine.
 
 The model. `wrap_for_training` puts the model under a `LossStep` module whose forward runs a loss
 function on it, so the wrapper's hooks see every forward although the recipes' loss functions call
@@ -89,7 +92,8 @@ def announce_run(run_id: str) -> None:
 
 def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
     """Plan-time checks of a torchrun config: each micro-batch splits evenly over the ranks, and
-    LoRA asks for DDP."""
+    LoRA asks for DDP; GRPO's ranks sample with the hf engine, on-policy (a batch generated ahead
+    would exchange groups while the ranks train), and every reward scores a group on its own."""
     from rollout.config import TorchrunDistributedConfig
     from rollout.config_base import located_error
 
@@ -97,15 +101,29 @@ def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
     assert isinstance(dist, TorchrunDistributedConfig)
     world = dist.nproc_per_node * dist.nnodes
     if s.minibatch_size % world:
+        what = "prompts" if kind == "grpo" else "rows"
+        how = "each rank samples an equal share of a step's prompts" if kind == "grpo" else (
+            "each micro-batch is shared out evenly")
         raise located_error(
             source, ["algorithm", kind, "minibatch_size"],
-            f"{s.minibatch_size} rows do not split over {world} ranks (nproc_per_node x nnodes):"
-            " each micro-batch is shared out evenly, so use a multiple of the world size",
+            f"{s.minibatch_size} {what} do not split over {world} ranks (nproc_per_node x nnodes):"
+            f" {how}, so use a multiple of the world size",
         )
     if s.lora is not None and dist.sharding == "fsdp":
         raise located_error(
             source, ["distributed", "sharding"], 'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)'
         )
+    if kind != "grpo":
+        return
+    if cfg.inference is not None and cfg.inference.engine != "hf":
+        raise located_error(source, ["inference", "engine"],
+                            f'torchrun ranks sample with the hf engine, not "{cfg.inference.engine}" (kind = "torchrun")')
+    if s.off_policy_steps:
+        raise located_error(
+            source, ["algorithm", kind, "off_policy_steps"],
+            'generating the next batch while training is not implemented under kind = "torchrun" (use 0)',
+        )
+    _check_group_rewards(cfg, source=source, where="torchrun rank")
 
 
 def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
@@ -116,7 +134,6 @@ def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
 
     from rollout.config_base import located_error
 
-    kind, s = cfg.algorithm.kind, cfg.algorithm.settings
     if (find_spec or importlib.util.find_spec)("ray") is None:
         raise located_error(
             source, ["distributed", "kind"],
@@ -125,18 +142,27 @@ def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
     if cfg.inference is not None and cfg.inference.engine != "hf":
         raise located_error(source, ["inference", "engine"],
                             f'rollout workers run the hf engine, not "{cfg.inference.engine}" (kind = "ray")')
+    _check_group_rewards(cfg, source=source, where="rollout worker")
+
+
+def _check_group_rewards(cfg: RunConfig, *, source: Path, where: str) -> None:
+    """Every reward model scores a group on its own (not normalised over a batch or a running
+    mean: each {where} sees only its share) and is loaded from a folder."""
+    from rollout.config_base import located_error
+
+    kind, s, dist = cfg.algorithm.kind, cfg.algorithm.settings, cfg.distributed.kind
     for i, entry in enumerate(getattr(s, "rewards", ())):
         if getattr(entry, "kind", "function") != "reward_model":
             continue
         if entry.normalize in ("batch", "running"):
             raise located_error(
                 source, ["algorithm", kind, "rewards", str(i), "normalize"],
-                f'"{entry.normalize}" normalises over what one process scores, which differs per rollout worker'
-                ' under kind = "ray" (use "group" or "none")',
+                f'"{entry.normalize}" normalises over what one process scores, which differs per {where}'
+                f' under kind = "{dist}" (use "group" or "none")',
             )
         if entry.snapshot is not None:
             raise located_error(source, ["algorithm", kind, "rewards", str(i), "snapshot"],
-                                'rollout workers load a reward model from its folder (model = "...") under kind = "ray"')
+                                f'a {where} loads a reward model from its folder (model = "...") under kind = "{dist}"')
 
 
 # --------------------------------------------------------------------------- the process group
@@ -179,6 +205,37 @@ class Distributed:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
         tdist.all_reduce(t)
         return [float(v) for v in t.cpu()]
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maxima over the ranks (float64), the same on every rank."""
+        if not self.active:
+            return [float(v) for v in values]
+        import torch
+        import torch.distributed as tdist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return [float(v) for v in t.cpu()]
+
+    def all_gather_1d(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D `tensor` (lengths may differ; one dtype), in rank order, on the CPU, on
+        every rank: the lengths first, then the tensors padded to the longest (no pickle)."""
+        if not self.active:
+            return [tensor]
+        import torch
+        import torch.distributed as tdist
+
+        device = self._comm_device()
+        size = torch.tensor([tensor.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        tdist.all_gather(sizes, size)
+        lengths = [int(n.item()) for n in sizes]
+        longest = max(1, *lengths)  # gloo: no empty tensors
+        padded = torch.zeros(longest, dtype=tensor.dtype, device=device)
+        padded[: tensor.numel()] = tensor.to(device)
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        tdist.all_gather(out, padded)
+        return [t[:n].cpu() for t, n in zip(out, lengths, strict=True)]
 
     def broadcast_text(self, text: str) -> str:
         """Rank 0's `text` on every rank (ids: short ASCII)."""
@@ -453,7 +510,28 @@ class DistributedBackend:
         restore_rng_state(dict(state.meta["rng"]))
 
     async def export_weights(self) -> dict[str, Any]:
-        return full_state_dict(self.model, self.dist)
+        """The full weights on every rank (a collective under FSDP2: each rank's rollout engine
+        samples with them); LoRA adapters (DDP only) merged into a copy."""
+        if self.dist.sharding == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        model = self.model
+        if hasattr(model, "merge_and_unload"):  # peft: merge the adapters into a copy
+            import copy
+
+            model = copy.deepcopy(model).merge_and_unload()
+        return {k: v.detach() for k, v in model.state_dict().items()}
+
+    def forward_frozen(self, batch: Any, fn: Any) -> Any:
+        """`fn(model, batch)` without grad through the wrapper (FSDP2 gathers the parameters for
+        it): old log-probs of a batch this rank trains on. Every rank calls it as often."""
+        import torch
+
+        from rollout.backends.torch_backend import move_to
+
+        with torch.no_grad():
+            return self.step(move_to(batch, self.device), fn)
 
     # -- optimizer state: by parameter index (torch's own layout, what one process saves) ------
 

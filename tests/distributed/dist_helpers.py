@@ -28,7 +28,7 @@ def write_config(
     dest: Path, kind: str, inputs: Inputs, *, distributed: str, max_steps: int, every_steps: int,
     store: Path | None = None, extra: str = "",
 ) -> Path:
-    """A tiny SFT (bfd packing), DPO or RM run: micro-batches of 4, 2 per step, a snapshot every
+    """A tiny SFT (bfd packing), DPO, KTO or RM run: micro-batches of 4, 2 per step, a snapshot every
     `every_steps`; its store in `store` (default: `dest`); `extra` TOML appended to the algorithm's
     block (e.g. `[algorithm.sft.export]`)."""
     store = store or dest
@@ -61,8 +61,8 @@ kind = "assistant"
 [algorithm.sft.snapshot]
 every_steps = {every_steps}
 """
-    else:  # dpo, rm: the same pairs
-        own = "beta = 0.1" if kind == "dpo" else 'head = "bradley_terry"\n[algorithm.rm.loss_on]\nkind = "full"'
+    else:  # dpo, rm: the same pairs; kto: the same lines, labelled
+        own = "beta = 0.1" if kind in ("dpo", "kto") else 'head = "bradley_terry"\n[algorithm.rm.loss_on]\nkind = "full"'
         algorithm = f"""
 [algorithm]
 kind = "{kind}"
@@ -81,7 +81,7 @@ kind = "constant"
 max_steps = {max_steps}
 [algorithm.{kind}.dataset]
 kind = "jsonl_path"
-path = "{inputs.pref}"
+path = "{inputs.sft.parent / "kto.jsonl" if kind == "kto" else inputs.pref}"
 [algorithm.{kind}.packing]
 kind = "off"
 max_seq_len = 64

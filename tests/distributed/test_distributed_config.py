@@ -130,12 +130,27 @@ def test_validate_refuses_what_torchrun_cannot_run(inputs, tmp_path):
     lora.write_text(lora.read_text().replace('sharding = "fsdp"', 'sharding = "ddp"'))
     assert _validate(lora).returncode == 0
 
-    grpo = ROOT / "examples" / "grpo-tiny.toml"
-    text = grpo.read_text().replace('[distributed]\nkind = "local"', '[distributed]\nkind = "torchrun"\nnproc_per_node = 2')
-    (tmp_path / "grpo.toml").write_text(text.replace('"../local/', f'"{ROOT}/local/'))
-    out = _validate(tmp_path / "grpo.toml")
+    torchrun = '[distributed]\nkind = "torchrun"\nnproc_per_node = 2'
+    ppo = (ROOT / "examples" / "ppo-tiny.toml").read_text().replace('[distributed]\nkind = "local"', torchrun)
+    (tmp_path / "ppo.toml").write_text(ppo.replace('"../local/', f'"{ROOT}/local/'))
+    out = _validate(tmp_path / "ppo.toml")
     assert out.returncode == 2
-    assert 'distributed.kind: "torchrun" is not implemented for grpo' in out.stderr
+    assert 'distributed.kind: "torchrun" is not implemented for ppo' in out.stderr
+
+    grpo = (ROOT / "examples" / "grpo-tiny.toml").read_text().replace('[distributed]\nkind = "local"', torchrun)
+    grpo = grpo.replace('"../local/', f'"{ROOT}/local/')
+    for old, new, message in [
+        ("off_policy_steps = 0", "off_policy_steps = 1",
+         "algorithm.grpo.off_policy_steps: generating the next batch while training is not implemented"),
+        ("minibatch_size = 16", "minibatch_size = 15", "algorithm.grpo.minibatch_size: 15 prompts do not split over 2"),
+        ("[distributed]", '[inference]\nengine = "openai"\nbase_url = "http://127.0.0.1:1/v1"\n[distributed]',
+         'inference.engine: torchrun ranks sample with the hf engine, not "openai"'),
+    ]:
+        assert old in grpo, old
+        (tmp_path / "grpo.toml").write_text(grpo.replace(old, new))
+        out = _validate(tmp_path / "grpo.toml")
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and "Traceback" not in out.stderr
 
 
 def test_launcher_marks_a_run_its_ranks_left_running(inputs, tmp_path):

@@ -1,5 +1,5 @@
 """`[distributed] kind = "ray"`: GRPO with rollout worker actors on a local Ray cluster ends with
-the same weights as `kind = "local"`, also when a worker is `ray.kill`ed mid-step; plan-time
+the same weights as `kind = "local"`, also when a worker is `ray.kill`ed mid-step, and PPO too; plan-time
 errors of a bad `[distributed]` block. One Ray cluster for the module, stopped at the end.
 
     HF_HUB_OFFLINE=1 .venv/bin/pytest tests/distributed/test_ray.py -q
@@ -34,18 +34,20 @@ SMALL = {
     "dynamic_sampling = true": "dynamic_sampling = false",
     'name = "arithmetic_correct"': 'name = "ray_plugins:length_or_kill"',
 }
+PPO_SMALL = {**{k: v for k, v in SMALL.items() if "dynamic" not in k and "250" not in k},
+             "max_steps = 200": f"max_steps = {N}"}
 RAY = '[distributed]\nkind = "ray"\nnum_rollout_workers = 2\n'
 
 
-def _config(dest: Path, inputs, distributed: str, extra: dict[str, str] | None = None) -> Path:
-    """examples/grpo-tiny.toml, small, on the tiny model, one torch thread, under `distributed`."""
-    text = (ROOT / "examples" / "grpo-tiny.toml").read_text()
-    for old, new in {**SMALL, **(extra or {})}.items():
+def _config(dest: Path, inputs, distributed: str, extra: dict[str, str] | None = None, kind: str = "grpo") -> Path:
+    """examples/<kind>-tiny.toml, small, on the tiny model, one torch thread, under `distributed`."""
+    text = (ROOT / "examples" / f"{kind}-tiny.toml").read_text()
+    for old, new in {**(SMALL if kind == "grpo" else PPO_SMALL), **(extra or {})}.items():
         assert old in text, old
         text = text.replace(old, new)
     text = text.replace('"../local/models/sft-warmup"', f'"{inputs.model}"')
     text = text.replace('"../local/data/arithmetic/prompts.jsonl"', f'"{inputs.prompts}"')
-    text = text.replace('"../local/models/grpo-tiny"', f'"{dest}/export"')
+    text = text.replace(f'"../local/models/{kind}-tiny"', f'"{dest}/export"')
     text = text.replace('"../local/', f'"{dest}/')
     text = text.replace('[distributed]\nkind = "local"\n', f'[backend]\nnum_threads = 1\nbatch_invariant = true\n\n{distributed}')
     dest.mkdir(parents=True, exist_ok=True)
@@ -157,6 +159,24 @@ def test_killed_worker_groups_rerun_elsewhere(cluster, local_run, prompts_inputs
     assert _values(metrics, "rollout/reward_mean") == _values(local_run[1], "rollout/reward_mean")
 
 
+def test_ray_ppo_weights_match_local(cluster, prompts_inputs, tmp_path):
+    """PPO (policy and value model in the learner) with 2 rollout workers: the same weights as one
+    batch-invariant process."""
+    from rollout.algorithms.ppo import train_ppo
+
+    local = load_config(_config(tmp_path / "local", prompts_inputs, '[distributed]\nkind = "local"\n', kind="ppo"))
+    local_digest, local_metrics, _ = _final(local, train_ppo(local).run_id)
+    cfg = load_config(_config(tmp_path / "ray", prompts_inputs, RAY, kind="ppo"))
+    digest, metrics, events = _final(cfg, train_ppo(cfg).run_id)
+    assert digest == local_digest
+    assert min(abs(v) for v in _values(local_metrics, "train/grad_norm")) > 0
+    assert _values(metrics, "rollout/reward_mean") == _values(local_metrics, "rollout/reward_mean")
+    assert _values(metrics, "train/loss") == _values(local_metrics, "train/loss")
+    groups = [sum(_values(metrics, f"rollout/worker/{w}/groups")) for w in (0, 1)]
+    assert sum(groups) == 3 * N and min(groups) >= 1
+    assert [e.fields["workers"] for e in events if e.name == "rollout_workers_started"] == [2]
+
+
 # --------------------------------------------------------------------------- plan-time errors
 
 
@@ -195,6 +215,8 @@ def test_ray_block_defaults_and_plan_checks(prompts_inputs, tmp_path):
     check_runtime(cfg, source=path)  # grpo runs under ray
     with pytest.raises(ConfigError, match=r'run.toml:\d+: distributed.kind: "ray" needs Ray, which is not installed'):
         check_ray(cfg, source=path, find_spec=lambda name: None)
+    ppo = _config(tmp_path / "ppo", prompts_inputs, RAY, kind="ppo")
+    check_runtime(load_config(ppo), source=ppo)  # and ppo
     sft = parse_config((ROOT / "examples" / "sft-tiny.toml").read_text().replace(
         '[distributed]\nkind = "local"\n', RAY), source=ROOT / "examples" / "sft-tiny.toml")
     with pytest.raises(ConfigError, match='distributed.kind: "ray" is not implemented for sft'):

@@ -11,6 +11,12 @@ Shao et al. (2024). Each step, top to bottom:
             (after each: a config's `[eval]` on the trained policy, when due)
   sync      push the new weights to the engine
   snapshot  weights, optimizer, RNG, the manager's state and any batch generated ahead
+
+Under `[distributed] kind = "torchrun"` each rank makes its share of every round's groups on its
+own engine and the ranks exchange them (`rollout.rl.torchrun_rollout`), so every rank holds the
+whole batch and computes the same advantages, normaliser and metrics; each micro-batch's rows are
+then split over the ranks (`rank_rows`) and the gradients summed (FSDP2 / DDP,
+`rollout.distributed`): a step is one process's step up to float reassociation.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ from rollout.algorithms.rl_common import (
     resolve_reward_specs,
     snapshot_rl,
 )
-from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.backends.torch_backend import pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.sources import read_dataset
+from rollout.distributed import Distributed, DistributedBackend, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
 from rollout.losses.grpo import compute_group_advantages, grpo_loss, grpo_normalizer
@@ -46,6 +53,7 @@ from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import GroupSpec, RolloutManager
 from rollout.rl.ray_rollout import build_rollout_engine
+from rollout.rl.torchrun_rollout import RankGroups, rank_share
 from rollout.run import (
     RunContext,
     evaluate_if_due,
@@ -90,6 +98,43 @@ def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
     return loss_fn
 
 
+def collate_samples(samples: Any, idx: list[int], pad_id: int, weight: list[bool] | None = None) -> Any:
+    """The PrefixBatch of samples `idx` (a row whose `weight` is False trains on no token)."""
+    masks = [samples[i].completion_mask for i in idx]
+    if weight is not None and not all(weight):
+        masks = [m if w else (False,) * len(samples[i].completion_token_ids)
+                 for i, m, w in zip(idx, masks, weight, strict=True)]
+    return collate_prefix([samples[i].prompt_token_ids for i in idx],
+                          [samples[i].completion_token_ids for i in idx], pad_id, masks)
+
+
+def rank_rows(idx: list[int], dist: Distributed) -> tuple[list[int], list[bool]]:
+    """This rank's contiguous share of a micro-batch's rows, and which of them count. Every rank
+    must run a forward/backward per micro-batch (FSDP2 / DDP collectives), so a rank whose share
+    is empty (fewer rows than ranks: a short batch) gets the first row with no token counted."""
+    share = rank_share(len(idx), dist.rank, dist.world_size)
+    mine = idx[share.start : share.stop]
+    return (mine, [True] * len(mine)) if mine else ([idx[0]], [False])
+
+
+def frozen_logps(backend: Any, model: Any, rows: Any) -> Any:
+    """The current policy's log-probs of `rows` without grad: under FSDP2 through the wrapper
+    (which gathers the sharded parameters), else from the model itself."""
+    if isinstance(backend, DistributedBackend) and backend.dist.sharding == "fsdp":
+        return backend.forward_frozen(rows, frozen_prefix_logps)
+    return frozen_prefix_logps(model, rows)
+
+
+def reduce_metrics(agg: dict[str, float], dist: Distributed) -> dict[str, float]:
+    """The loss function's metrics summed over the ranks (`ratio_max`: the max)."""
+    if not dist.active:
+        return agg
+    names = sorted(k for k in agg if k != "ratio_max")
+    out = dict(zip(names, dist.sum([agg[k] for k in names]), strict=True))
+    out["ratio_max"] = dist.max([agg["ratio_max"]])[0]
+    return out
+
+
 async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
@@ -102,18 +147,23 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    group = GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s)
     rollout_engine = build_rollout_engine(
-        cfg, base_model, group=GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s),
-        rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
-        on_event=lambda name, fields: rec.event(name, **fields),
+        cfg, base_model, group=group, rewards=s.rewards, env=s.env, device=device,
+        weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id, on_event=lambda name, fields: rec.event(name, **fields),
     )
+    episodes = episode_setup(s.env, tokenizer)
+    group_runner = rollout_engine.group_runner
+    if ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
+        assert rollout_engine.sampler is not None
+        group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
+                                  dist=ctx.dist)
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
         num_generations=s.num_generations, prompts_per_batch=s.minibatch_size, sampling=sampling,
         seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
         max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
-        on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
-        group_runner=rollout_engine.group_runner,
+        on_event=lambda name, fields: rec.event(name, **fields), episodes=episodes, group_runner=group_runner,
     )
     if s.budget.max_steps is None:
         raise AlgorithmError("grpo needs budget.max_steps (epochs and tokens are not defined for sampled data)")
@@ -129,8 +179,8 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         model, base=base_model, reference_uri=s.reference.uri, lora=s.lora is not None,
         pad_token_id=tokenizer.pad_token_id, device=device, seed=cfg.seed,
     ) if s.beta > 0 else None
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
@@ -167,17 +217,20 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 chunks = [list(range(len(samples)))[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)]
                 chunks = [c for c in chunks if c]
                 stale = s.num_iterations > 1 or batch.policy_version != version
+                whole = [collate_samples(samples, idx, pad_id) for idx in chunks]  # the global micro-batches
+                normalizer = grpo_normalizer(s.loss_agg, [rows.target_mask for rows in whole], max_completion)
+                step_tokens = sum(rows.num_row_tokens for rows in whole)
                 micro = []
-                for idx in chunks:
-                    rows = collate_prefix([samples[i].prompt_token_ids for i in idx],
-                                          [samples[i].completion_token_ids for i in idx], pad_id,
-                                          [samples[i].completion_mask for i in idx]).to(device)
+                for idx, rows in zip(chunks, whole, strict=True):
+                    if ctx.dist.active:  # this rank's rows of the micro-batch
+                        idx, weight = rank_rows(idx, ctx.dist)
+                        rows = collate_samples(samples, idx, pad_id, weight)
+                    rows = rows.to(device)
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
                                        rows.completion_ids.shape[1]).to(device)
-                    old = frozen_prefix_logps(model, rows) if stale else None
+                    old = frozen_logps(backend, model, rows) if stale else None
                     ref_logps = ref.token_logps(rows) if ref is not None else None
                     micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref_logps, rollout))
-                normalizer = grpo_normalizer(s.loss_agg, [m.rows.target_mask for m in micro], max_completion)
                 # ---- train: num_iterations optimizer steps on this batch
                 loss_fn = make_grpo_loss_fn(s, normalizer)
                 for _ in range(s.num_iterations):
@@ -189,8 +242,8 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                         for k, v in (await backend.forward_backward(m, loss_fn)).items():
                             agg[k] = max(agg.get(k, v), v) if k == "ratio_max" else agg.get(k, 0.0) + v
                     result = await backend.optim_step()
+                    agg = reduce_metrics(agg, ctx.dist)
                     loop.step += 1
-                    step_tokens = sum(m.rows.num_row_tokens for m in micro)
                     loop.tokens_seen += step_tokens
                     n_tok = max(1.0, agg["num_tokens"])
                     last = {

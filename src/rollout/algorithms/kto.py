@@ -23,7 +23,7 @@ import torch
 from rollout.algorithms.config import KTOConfig
 from rollout.algorithms.reference import Reference, build_reference, digest_records
 from rollout.algorithms.registry import TrainResult
-from rollout.backends.torch_backend import build_torch_backend, move_to, pick_device
+from rollout.backends.torch_backend import move_to, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import collate_padded
@@ -31,6 +31,7 @@ from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
 from rollout.data.sources import read_dataset
 from rollout.data.tokenize import TokenizedSample, tokenize_aligned, tokenize_sft
+from rollout.distributed import DistributedBackend, build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.logps import sequence_logps
 from rollout.losses.preference import kto_kl_estimate, kto_loss
@@ -107,6 +108,33 @@ def precompute_kto_table(ref: Reference, matched: Sequence[Any], mismatched: Seq
     return table
 
 
+def frozen_sequence_logps(backend: Any, model: Any, tokens: Any) -> Any:
+    """The policy's log-prob sums of `tokens` without grad, in eval mode: under FSDP2 through the
+    wrapper (which gathers the sharded parameters), else from the model itself."""
+    def logps(m: Any, batch: Any) -> Any:
+        was_training = m.training
+        m.eval()
+        try:
+            return sequence_logps(m, batch)[0]
+        finally:
+            m.train(was_training)
+
+    if isinstance(backend, DistributedBackend) and backend.dist.sharding == "fsdp":
+        return backend.forward_frozen(tokens, logps)
+    with torch.no_grad():
+        return logps(model, tokens)
+
+
+def global_kl_estimate(policy_kl: Any, ref_kl: Any, dist: Any) -> Any:
+    """`kto_kl_estimate` over the whole micro-batch: under torchrun the mean of every rank's
+    mismatched pairs (summed over the ranks, then clamped, as one process would)."""
+    if not dist.active:
+        return kto_kl_estimate(policy_kl, ref_kl)
+    diff = policy_kl.detach().float() - ref_kl.detach().float()
+    total, count = dist.sum([float(diff.double().sum()), diff.numel()])
+    return torch.tensor(total / count, dtype=torch.float32, device=diff.device).clamp(min=0)
+
+
 async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
     prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
@@ -143,8 +171,8 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
         precompute_fn=lambda r: precompute_kto_table(r, samples, mismatched, pad_id, device),
         data_digest=digest_records([*samples, *mismatched], extra={"algorithm": "kto"}),
     )
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under FSDP2 or DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(),
     )
     static_blobs = model_file_blobs(model, tokenizer)
@@ -166,20 +194,16 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
             batches = []
             for _ in range(s.gradient_accumulation):
                 loop.cursor, rows_ = next(stream)
-                idx = [r[0].sample for r in rows_]
+                idx = [r[0].sample for r in ctx.dist.shard(rows_)]  # this rank's slice (all of it locally)
                 tokens = move_to(collate_padded([samples[i] for i in idx], pad_id), device)
                 kl_tokens = move_to(collate_padded([mismatched[i] for i in idx], pad_id), device)
-                with torch.no_grad():
-                    was_training = model.training
-                    model.eval()
-                    policy_kl, _ = sequence_logps(model, kl_tokens)
-                    model.train(was_training)
+                policy_kl = frozen_sequence_logps(backend, model, kl_tokens)
                 ref_kl = ref.logps(kl_tokens, [n_lines + i for i in idx]).to(device)
                 batches.append(KTOBatch(
                     tokens=tokens, labels=labels[idx].to(device),
-                    ref_logps=ref.logps(tokens, idx).to(device), kl=kto_kl_estimate(policy_kl, ref_kl),
+                    ref_logps=ref.logps(tokens, idx).to(device), kl=global_kl_estimate(policy_kl, ref_kl, ctx.dist),
                 ))
-            normalizer = float(sum(len(b.labels) for b in batches))
+            normalizer = ctx.dist.sum([sum(len(b.labels) for b in batches)])[0]  # every rank's lines
             loss_fn = make_kto_loss_fn(s, normalizer)
             agg: dict[str, float] = {}
             for b in batches:
@@ -187,7 +211,9 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
                     agg[k] = agg.get(k, 0.0) + v
             result = await backend.optim_step()
             loop.step += 1
-            step_tokens = sum(b.tokens.num_tokens for b in batches)
+            names = sorted(k for k in agg if k != "kl")  # z0 is the same on every rank: not summed
+            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.tokens.num_tokens for b in batches)])
+            agg, step_tokens = {**agg, **dict(zip(names, sums, strict=True))}, int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             loss = agg["loss_sum"] / normalizer

@@ -12,6 +12,8 @@ Schulman et al. (2017); the RLHF form of Ziegler et al. (2019) / Ouyang et al.
   train     `num_iterations` optimizer steps of clipped policy + clipped value loss
             (after each: a config's `[eval]` on the policy, when due)
   sync      push the policy's weights to the engine; snapshot
+Under `[distributed] kind = "ray"` rollout worker actors sample and score the groups
+(`rollout.rl.ray_rollout`); everything else stays in this process.
 The value model is the base model with a scalar head on every position (a
 `…ForSequenceClassification` whose score layer is applied per token); policy
 and value train together under one optimizer.
@@ -31,7 +33,6 @@ from rollout.algorithms.reference import build_model_reference
 from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
-    build_engine,
     episode_setup,
     require_samples,
     resolve_reward_specs,
@@ -48,7 +49,8 @@ from rollout.models.load import ModelSource, hf_model, load_model, load_tokenize
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_logps, prefix_outputs
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
-from rollout.rl.manager import RolloutManager
+from rollout.rl.manager import GroupSpec, RolloutManager
+from rollout.rl.ray_rollout import build_rollout_engine
 from rollout.rl.types import Sample
 from rollout.run import (
     RunContext,
@@ -135,16 +137,18 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
-    rollout_engine = build_engine(
-        base_model, inference=cfg.inference, device=device, weights_dir=ctx.run_dir / "weights",
-        batch_invariant=cfg.backend.batch_invariant,
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    rollout_engine = build_rollout_engine(  # this process's engine, or Ray rollout workers
+        cfg, base_model, group=GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s),
+        rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
+        on_event=lambda name, fields: rec.event(name, **fields),
     )
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
-        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size,
-        sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens),
+        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size, sampling=sampling,
         seed=cfg.seed, max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
         on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
+        group_runner=rollout_engine.group_runner,
     )
 
     policy = load_trainable(

@@ -108,15 +108,17 @@ BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec(
             "kto", KTOConfig, "kto", "rollout.algorithms.kto:train_kto",
             "Kahneman–Tversky optimisation on unpaired good/bad completions.",
+            distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "grpo", GRPOConfig, "prompt", "rollout.algorithms.grpo:train_grpo",
             "Group relative policy optimisation against rewards / a verifiable env.",
-            distributed=("local", "ray"),
+            distributed=("local", "torchrun", "ray"),
         ),
         AlgorithmSpec(
             "ppo", PPOConfig, "prompt", "rollout.algorithms.ppo:train_ppo",
             "PPO with a value head, GAE and a KL penalty in the reward.",
+            distributed=("local", "ray"),
         ),
     )
 }

@@ -388,16 +388,17 @@ def build_rollout_engine(
     env: Any, device: Any, weights_dir: Path, run_id: str,
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> SamplingEngine | RayRollout:
-    """The rollout side of an RL run: this process's engine (`build_engine`), or, under
+    """The rollout side of an RL run: this process's engine (`build_engine`; each torchrun rank's
+    own, made batch-invariant: `rollout.rl.torchrun_rollout`), or, under
     `[distributed] kind = "ray"`, rollout worker actors that make the manager's groups
     (`rollout.rl.ray_rollout`); either has `sampler`, `weight_sync`, `group_runner` and `close()`."""
     from rollout.algorithms.rl_common import build_engine
     from rollout.config import RayDistributedConfig
 
     dist = cfg.distributed
-    if not isinstance(dist, RayDistributedConfig):
+    if not isinstance(dist, RayDistributedConfig):  # torchrun ranks always sample batch-invariantly
         return build_engine(base_model, inference=cfg.inference, device=device, weights_dir=weights_dir,
-                            batch_invariant=cfg.backend.batch_invariant)
+                            batch_invariant=cfg.backend.batch_invariant or dist.kind == "torchrun")
     import torch
 
     spec = WorkerSpec(
