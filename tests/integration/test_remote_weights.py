@@ -24,6 +24,10 @@ N = 3
 
 @pytest.fixture
 def remote(workspace):
+    yield from _serve(workspace)
+
+
+def _serve(workspace):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     cmd = [str(ROLLOUT), "serve", "--model", str(workspace / "models" / "tiny"), "--port", "0", "--threads", "1",
@@ -88,3 +92,38 @@ def test_grpo_samples_from_and_pushes_weights_to_a_remote_server(remote, workspa
     assert after != pytest.approx(before, abs=1e-4)
     # pushed folders do not pile up on disk: only the latest is kept
     assert len(list((cfg.storage.resolved_runs_dir() / result.run_id / "weights").iterdir())) <= 1
+
+
+def _served_requests(base_url: str) -> float:
+    """Generation requests answered 200, from the server's Prometheus counters."""
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rollout_requests_total{") and 'status="200"' in line and "completions" in line)
+
+
+def test_grpo_samples_from_a_pool_of_servers_and_pushes_weights_to_each(workspace, tmp_path):
+    """`base_urls = [a, b]`: both servers take requests (pulled by whichever is free) and both load
+    every version of the weights."""
+    from rollout.algorithms.grpo import train_grpo
+
+    servers = [_serve(workspace), _serve(workspace)]
+    urls = [next(s) for s in servers]
+    try:
+        text = example_config("grpo-tiny.toml", workspace, tmp_path, {
+            '"../local/models/sft-warmup"': '"../local/models/tiny"',
+            "minibatch_size = 16": "minibatch_size = 4", "num_generations = 8": "num_generations = 2",
+            "max_tokens = 6": "max_tokens = 4", "max_steps = 250": f"max_steps = {N}",
+            "dynamic_sampling = true": "dynamic_sampling = false",
+        }).read_text()
+        config = tmp_path / "pool.toml"
+        config.write_text(text + f'\n[inference]\nengine = "openai"\nbase_urls = {json.dumps(urls)}\nmodel = "tiny"\n'
+                                 f'admin_key = "{ADMIN}"\nmax_concurrency = 2\n')
+        result = train_grpo(load_config(config))
+        assert result.steps == N
+        assert [_health(u)["weights_version"] for u in urls] == [N + 1, N + 1]
+        served = [_served_requests(u) for u in urls]
+        assert all(n > 0 for n in served) and sum(served) >= 4 * N, served  # 4 prompts a step (n = 2 each)
+    finally:
+        for s in servers:
+            s.close()

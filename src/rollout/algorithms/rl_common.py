@@ -182,6 +182,8 @@ def build_engine(
     [inference] engine (reloads `weights_dir/v<version>`)."""
     max_batch = inference.max_batch_size if inference is not None else 256
     if inference is not None and inference.engine != "hf":
+        if inference.engine == "openai" and not (inference.base_url or inference.base_urls):
+            raise ConfigError('[inference] engine = "openai" needs base_url (one server) or base_urls (a pool)')
         uri = base_model.uri
         engine = build_configured_engine(inference, ResolvedModel(uri, inference.model or uri, fixed_identity=None))
         return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch),

@@ -27,14 +27,26 @@ def resolve_engine_model(
     if not spec:
         raise ConfigError("no model: pass --model or set inference.model")
     if cfg.engine == "openai":
-        if not cfg.base_url:
-            raise ConfigError('inference.base_url: required when engine = "openai"')
-        return ResolvedModel(spec, spec, fixed_identity=f"openai:{cfg.base_url.rstrip('/')}:{spec}")
+        if not cfg.base_url and not cfg.base_urls:
+            raise ConfigError('inference.base_url: required when engine = "openai" (or base_urls, for a pool)')
+        where = cfg.base_url.rstrip("/") if cfg.base_url else ",".join(cfg.base_urls or ())
+        return ResolvedModel(spec, spec, fixed_identity=f"openai:{where}:{spec}")
     return resolve_model(spec, storage_path=storage_path, object_path=object_path)
 
 
 def build_engine(cfg: InferenceConfig, resolved: ResolvedModel) -> InferenceEngine:
     """The configured engine over a resolved model."""
+    if cfg.engine == "openai" and cfg.base_urls:
+        from rollout.inference.engine_pool import EnginePool
+        from rollout.inference.openai_engine import OpenAIEngine
+
+        servers = [
+            OpenAIEngine(base_url=url, model_name=resolved.name, api_key=cfg.api_key, admin_key=cfg.admin_key,
+                         max_concurrency=cfg.max_concurrency, timeout_s=cfg.request_timeout_s, max_retries=0)
+            for url in cfg.base_urls
+        ]
+        return EnginePool(servers, names=cfg.base_urls, concurrency=cfg.max_concurrency,
+                          max_attempts=cfg.request_attempts)
     if cfg.engine == "openai":
         from rollout.inference.openai_engine import OpenAIEngine
 

@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout.config_base import format_validation_errors
 from rollout.errors import ConfigError
@@ -96,6 +96,16 @@ class InferenceConfig(_Strict):
     threads: int | None = Field(None, ge=1, le=1024, description="hf on CPU: torch intra-op threads.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder.")
     base_url: str | None = Field(None, description="openai: e.g. http://127.0.0.1:8000/v1")
+    base_urls: list[str] | None = Field(
+        None, min_length=1, max_length=1024,
+        description="openai: several servers of the same model, load-balanced by pull (rollout.inference.engine_pool);"
+        " instead of base_url.",
+    )
+    request_attempts: int = Field(
+        3, ge=1, le=100,
+        description="openai with base_urls: attempts per request across the servers (a server that does not answer"
+        " rests, doubling, and its requests go to the others).",
+    )
     api_key: str | None = Field(None, description="openai: bearer key (default $OPENAI_API_KEY or 'EMPTY').")
     admin_key: str | None = Field(None, description="openai: key for /update_weights_from_disk.")
     max_concurrency: int = Field(16, ge=1, le=4096, description="openai: requests in flight.")
@@ -103,6 +113,25 @@ class InferenceConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vllm: share of GPU memory to use.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("base_urls")
+    @classmethod
+    def _urls(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        for url in value:
+            if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        stripped = [u.rstrip("/") for u in value]
+        if len(set(stripped)) != len(stripped):
+            raise ValueError("each server once: base_urls has a repeated URL")
+        return stripped
+
+    @model_validator(mode="after")
+    def _one_endpoint_setting(self) -> InferenceConfig:
+        if self.base_url is not None and self.base_urls is not None:
+            raise ValueError("set base_url (one server) or base_urls (a pool), not both")
+        return self
 
 
 class _Root(BaseModel):

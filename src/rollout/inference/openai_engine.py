@@ -30,6 +30,7 @@ from typing import Any
 from rollout.errors import ModelError
 from rollout.inference.types import (
     Completion,
+    EngineUnreachable,
     FinishReason,
     GenerationError,
     GenerationRequest,
@@ -39,6 +40,8 @@ from rollout.inference.types import (
     TokenEvent,
     as_request,
 )
+
+RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx: the server, not the request, failed
 
 
 class OpenAIEngine:
@@ -107,7 +110,7 @@ class OpenAIEngine:
                 f"{root}/update_weights_from_disk refused: HTTP {err.code} {_error_text(err)}"
             ) from None
         except (urllib.error.URLError, OSError) as err:
-            raise GenerationError(f"cannot reach {root}/update_weights_from_disk: {err}") from None
+            raise EngineUnreachable(f"cannot reach {root}/update_weights_from_disk: {err}") from None
         if answer.get("success") is False:
             raise GenerationError(f"{root}/update_weights_from_disk failed: {answer.get('message')}")
         with self._version_lock:
@@ -163,6 +166,12 @@ class OpenAIEngine:
                     prompt=prompt, logprobs=max(params.top_logprobs, 0), extra_body=extra or None, **common
                 )
                 choices = [_text_choice(c, params) for c in response.choices]
+        except (openai.APIConnectionError, openai.APITimeoutError) as err:  # (a timeout is a connection error)
+            raise EngineUnreachable(f"{self.base_url}: {err}") from None
+        except openai.APIStatusError as err:
+            if err.status_code in RETRYABLE_STATUS or err.status_code >= 500:
+                raise EngineUnreachable(f"{self.base_url}: {err}") from None
+            raise GenerationError(f"{self.base_url}: {err}") from None
         except openai.APIError as err:
             raise GenerationError(f"{self.base_url}: {err}") from None
         usage = response.usage

@@ -45,6 +45,11 @@ class EngineUnavailable(GenerationError):
     """The engine (or its optional dependency) is not available on this machine."""
 
 
+class EngineUnreachable(GenerationError):
+    """A remote engine did not answer (connection refused or lost, timeout, 408/429/5xx): the
+    request itself may be fine, and another engine of a pool may take it (`EnginePool`)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. Filtering order: temperature, then top-k, then top-p (like vLLM and HF).
