@@ -36,13 +36,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def _manager(data, sampler, runner, args):
     from rollout.inference.types import SamplingParams
     from rollout.rl.buffer import DataBuffer
-    from rollout.rl.manager import RolloutManager
+    from rollout.rl.manager import GroupSpec, RolloutManager
     from rollout.rl.rewards import resolve_reward
 
     return RolloutManager(
         sampler, data, DataBuffer(len(data), seed=0), reward_fns=[("correct", resolve_reward("arithmetic_correct"), 1.0)],
-        num_generations=args.generations, prompts_per_batch=args.prompts,
-        sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens), seed=0, group_runner=runner,
+        group=GroupSpec(args.generations, SamplingParams(temperature=1.0, max_tokens=args.max_tokens), seed=0),
+        prompts_per_batch=args.prompts, group_runner=runner,
     )
 
 

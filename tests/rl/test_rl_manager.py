@@ -15,7 +15,7 @@ from rollout.errors import ConfigError
 from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import GenerationRequest, SamplingParams, derive_seed
 from rollout.rl.buffer import DataBuffer, epoch_order
-from rollout.rl.manager import RolloutManager
+from rollout.rl.manager import GroupSpec, RolloutManager
 from rollout.rl.rewards import arithmetic_correct, format_answer_only
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4)
@@ -30,15 +30,15 @@ def arithmetic_rows(count: int) -> list[dict]:
 
 
 def make_manager(engine, rows, **overrides) -> RolloutManager:
+    group = {"num_generations": N, "sampling": SAMPLING, "seed": 0}
+    group.update({k: overrides.pop(k) for k in list(overrides) if k in group or k == "reward_timeout_s"})
     settings = dict(
         reward_fns=[("correct", arithmetic_correct, 1.0), ("format", format_answer_only, 0.5)],
-        num_generations=N,
         prompts_per_batch=2,
-        sampling=SAMPLING,
-        seed=0,
     )
     settings.update(overrides)
-    return RolloutManager(EngineSampler(engine, max_batch=32), rows, DataBuffer(len(rows), seed=settings["seed"]), **settings)
+    return RolloutManager(EngineSampler(engine, max_batch=32), rows, DataBuffer(len(rows), seed=group["seed"]),
+                          group=GroupSpec(**group), **settings)
 
 
 def next_batch(manager: RolloutManager, policy_version: int = 0):
@@ -267,10 +267,8 @@ def test_invalid_settings_are_config_errors(rl_engine) -> None:
             rows,
             DataBuffer(4, seed=0),
             reward_fns=[("a", arithmetic_correct, 1.0)],
-            num_generations=2,
+            group=GroupSpec(2, SAMPLING, seed=0),
             prompts_per_batch=1,
-            sampling=SAMPLING,
-            seed=0,
         )
     manager = make_manager(rl_engine, rows)
     with pytest.raises(ConfigError, match="state has version"):

@@ -159,10 +159,9 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
         group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
                                   dist=ctx.dist)
     manager = RolloutManager(
-        rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
-        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size, sampling=sampling,
-        seed=cfg.seed, dynamic_filtering=s.dynamic_sampling, max_oversample_rounds=s.max_oversample_rounds,
-        max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
+        rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns, group=group,
+        prompts_per_batch=s.minibatch_size, dynamic_filtering=s.dynamic_sampling,
+        max_oversample_rounds=s.max_oversample_rounds, max_staleness=s.max_staleness,
         on_event=lambda name, fields: rec.event(name, **fields), episodes=episodes, group_runner=group_runner,
     )
     if s.budget.max_steps is None:

@@ -138,15 +138,15 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    group = GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s)
     rollout_engine = build_rollout_engine(  # this process's engine, or Ray rollout workers
-        cfg, base_model, group=GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s),
+        cfg, base_model, group=group,
         rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
         on_event=lambda name, fields: rec.event(name, **fields),
     )
     manager = RolloutManager(
-        rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns,
-        num_generations=s.num_generations, prompts_per_batch=s.minibatch_size, sampling=sampling,
-        seed=cfg.seed, max_staleness=s.max_staleness, reward_timeout_s=s.reward_timeout_s,
+        rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns, group=group,
+        prompts_per_batch=s.minibatch_size, max_staleness=s.max_staleness,
         on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
         group_runner=rollout_engine.group_runner,
     )

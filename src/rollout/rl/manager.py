@@ -2,9 +2,8 @@
 
     manager = RolloutManager(EngineSampler(engine, max_batch=32), rows, DataBuffer(len(rows), seed=0),
                              reward_fns=[("correct", arithmetic_correct, 1.0)],
-                             num_generations=8, prompts_per_batch=16,
-                             sampling=SamplingParams(temperature=1.0, max_tokens=32), seed=0,
-                             dynamic_filtering=True)
+                             group=GroupSpec(8, SamplingParams(temperature=1.0, max_tokens=32), seed=0),
+                             prompts_per_batch=16, dynamic_filtering=True)
     batch = await manager.next_batch(policy_version=step)      # a RolloutBatch of 16 groups
     state = manager.state_dict()                                # JSON: cursor, group counter, carried groups
 
@@ -80,6 +79,16 @@ class _CallStats:
     generated_rewards: list[float] = field(default_factory=list)  # every group this call made, filtered or not
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """How a group is sampled: what a rollout worker needs besides the rows, its engine and its rewards."""
+
+    num_generations: int
+    sampling: SamplingParams
+    seed: int
+    reward_timeout_s: float = 30.0
+
+
 class RolloutManager:
     """Produces `RolloutBatch`es of scored groups from a sampler, a dataset and reward functions."""
 
@@ -90,14 +99,11 @@ class RolloutManager:
         buffer: DataBuffer,
         *,
         reward_fns: Sequence[RewardSpec],
-        num_generations: int,
+        group: GroupSpec,
         prompts_per_batch: int,
-        sampling: SamplingParams,
-        seed: int,
         dynamic_filtering: bool = False,
         max_oversample_rounds: int = 4,
         max_staleness: int = 0,
-        reward_timeout_s: float = 30.0,
         on_event: EventHook | None = None,
         episodes: EpisodeSetup | None = None,
         group_runner: GroupRunner | None = None,
@@ -114,9 +120,9 @@ class RolloutManager:
             problems.append(f"reward function names must be unique, got {names}")
         if any(not math.isfinite(w) for _, _, w in reward_fns):
             problems.append("reward weights must be finite numbers")
-        if num_generations < 1:
-            problems.append(f"num_generations must be >= 1, got {num_generations}")
-        if dynamic_filtering and num_generations < 2:
+        if group.num_generations < 1:
+            problems.append(f"num_generations must be >= 1, got {group.num_generations}")
+        if dynamic_filtering and group.num_generations < 2:
             problems.append(
                 "dynamic_filtering needs num_generations >= 2 (it keeps groups with reward variance)"
             )
@@ -126,26 +132,22 @@ class RolloutManager:
             problems.append(f"max_oversample_rounds must be >= 0, got {max_oversample_rounds}")
         if max_staleness < 0:
             problems.append(f"max_staleness must be >= 0, got {max_staleness}")
-        if not reward_timeout_s > 0:
-            problems.append(f"reward_timeout_s must be > 0, got {reward_timeout_s}")
+        if not group.reward_timeout_s > 0:
+            problems.append(f"reward_timeout_s must be > 0, got {group.reward_timeout_s}")
         if problems:
             raise ConfigError(f"invalid rollout settings: {problems[0]}", details=problems[1:])
         self.sampler = sampler
         self.rows = rows
         self.buffer = buffer
         self.reward_fns = tuple(reward_fns)
-        self.num_generations = num_generations
+        self.group = group
         self.prompts_per_batch = prompts_per_batch
-        self.sampling = sampling
-        self.seed = seed
         self.dynamic_filtering = dynamic_filtering
         self.max_oversample_rounds = max_oversample_rounds
         self.max_staleness = max_staleness
-        self.reward_timeout_s = reward_timeout_s
         self.on_event = on_event
         self.episodes = episodes
         self.group_runner = group_runner
-        self.group_spec = GroupSpec(num_generations, sampling, seed, reward_timeout_s)
         self._next_group_id = 0
         self._carried: list[Group] = []
         self._totals: Counter[str] = Counter()
@@ -218,7 +220,7 @@ class RolloutManager:
         else:
             assert self.sampler is not None  # checked in __init__
             groups, generation_s = await generate_groups(
-                self.sampler, items, self.group_spec, reward_fns=self.reward_fns, episodes=self.episodes,
+                self.sampler, items, self.group, reward_fns=self.reward_fns, episodes=self.episodes,
                 policy_version=policy_version,
             )
         stats.generation_s += generation_s
@@ -329,16 +331,6 @@ class RolloutManager:
     def totals(self) -> Mapping[str, int]:
         """Counts since the start of the run (saved in the state): batches, groups, drops."""
         return dict(self._totals)
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """How a group is sampled: what a rollout worker needs besides the rows, its engine and its rewards."""
-
-    num_generations: int
-    sampling: SamplingParams
-    seed: int
-    reward_timeout_s: float = 30.0
 
 
 RoundItem = tuple[int, Mapping[str, Any], int]
