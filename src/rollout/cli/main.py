@@ -12,17 +12,21 @@ The rest is made on demand. Typer turns a command into a click command, with
 all its parameters, before anything is parsed. `_RolloutGroup` imports a
 sub-command's module and makes its command when that command is used
 (`rollout validate` imports `config_cmds` only), and a sub-command group's own
-commands are made only when that group is used (`_LazyCommands`).
+commands are made only when that group is used (`_LazyCommands`). typer's
+help renderer is loaded without `rich.markdown` and `rich.traceback`, which it
+imports but rollout never uses (`_defer_rich_extras`).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import os
 import sys
 import traceback
 from collections.abc import MutableMapping
+from types import ModuleType
 from typing import Any
 
 import typer
@@ -161,6 +165,97 @@ def _lazy(sub: typer.Typer) -> typer.Typer:
     return lazy
 
 
+# ------------------------------------------------------------- help screens without rich.markdown/traceback
+# `typer.rich_utils` (imported when typer draws a help screen, a usage error or an abort)
+# imports `rich.markdown` (markdown-it, pygments) and `rich.traceback` (attrs, pygments) at its
+# top: about 100 ms of CPU, a third of `rollout --help` (benchmarks/startup.py). rollout's help
+# texts use rich markup, not markdown, and its pretty tracebacks are off
+# (`pretty_exceptions_enable=False`), so neither module draws anything.
+#
+# `_defer_rich_extras()` (called by `main`) puts a finder first on `sys.meta_path`. When `typer.rich_utils` is imported,
+# `rich.markdown` and `rich.traceback` are stand-in modules for the time of that import only
+# (then taken out of `sys.modules`, so any later `import rich.markdown` gets the real one).
+# The stand-ins' `Markdown` and `Traceback` import the real class on first use and pass every
+# call, attribute and `isinstance` check to it, so a markdown help text or a pretty traceback
+# still works; it just pays for the import when it happens.
+
+_RICH_UTILS = "typer.rich_utils"
+_DEFERRED = {"rich.markdown": "Markdown", "rich.traceback": "Traceback"}
+"""Module -> the one name `typer.rich_utils` imports from it; see `_defer_rich_extras`."""
+
+
+class _Deferred(type):
+    """Metaclass of a stand-in class: the real class (`_module`.`__name__`) does the work."""
+
+    _module: str
+
+    def _real(cls) -> type:
+        return getattr(importlib.import_module(cls._module), cls.__name__)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls._real()(*args, **kwargs)
+
+    def __getattr__(cls, name: str) -> Any:  # names the stand-in lacks: `Traceback.from_exception`
+        if name.startswith("__"):  # probes (typing, copy, ...) must not load the real module
+            raise AttributeError(name)
+        return getattr(cls._real(), name)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls._real())
+
+
+def _stand_in(module: str, name: str) -> ModuleType:
+    stand_in = ModuleType(module, f"Stand-in for {module} while {_RICH_UTILS} is imported (rollout.cli.main).")
+    setattr(stand_in, name, _Deferred(name, (), {"_module": module}))
+    return stand_in
+
+
+class _RichUtilsLoader:
+    """`typer.rich_utils`'s own loader, with the stand-ins in `sys.modules` while it runs."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ...: the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        stand_ins = {name: _stand_in(name, attr) for name, attr in _DEFERRED.items() if name not in sys.modules}
+        sys.modules.update(stand_ins)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            for name, stand_in in stand_ins.items():
+                if sys.modules.get(name) is stand_in:
+                    del sys.modules[name]
+
+
+class _RichUtilsFinder:
+    """Finds `typer.rich_utils` once (the way Python would), hands it `_RichUtilsLoader`, and steps aside."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _RICH_UTILS:
+            return None
+        _undefer_rich_extras()
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RichUtilsLoader(spec.loader)
+        return spec
+
+
+def _defer_rich_extras() -> None:
+    """Defer the two modules for the next import of `typer.rich_utils` (nothing if it is loaded)."""
+    if _RICH_UTILS not in sys.modules and not any(isinstance(f, _RichUtilsFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RichUtilsFinder())
+
+
+def _undefer_rich_extras() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RichUtilsFinder)]
+
+
 def report_error(err: RolloutError) -> None:
     """One clear line first, details after (SPEC section 2)."""
     print(f"error: {err}", file=sys.stderr)
@@ -172,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers/hub draw their own tqdm bars on stderr (weights loading, shard
     # writing); they would push a later error off stderr's first line. We draw our own.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _defer_rich_extras()  # help screens without rich.markdown and rich.traceback (~100 ms)
     try:
         app(args=argv, standalone_mode=False, prog_name="rollout")
     except RolloutError as err:

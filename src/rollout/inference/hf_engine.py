@@ -223,7 +223,7 @@ class HFEngine:
         draining its batch first, see `inference/sampler.py`).
         """
         state = _read_safetensors(Path(weights)) if isinstance(weights, str | PathLike) else weights
-        current = self.model.state_dict()
+        current = self.model.state_dict(keep_vars=True)  # the live parameters and buffers themselves
         unknown = sorted(k for k in state if k not in current)
         if unknown:
             raise ModelError(f"weights do not fit model {self.model_name}: unknown tensors {unknown[:3]}")
@@ -234,8 +234,12 @@ class HFEngine:
                 f"weights do not fit model {self.model_name}: {k} has shape {tuple(state[k].shape)},"
                 f" expected {tuple(current[k].shape)}"
             )
+        # What load_state_dict(strict=False) does for these tensors (copy_ under no_grad, converting
+        # dtype and device), without its walk over every module: ~1 ms instead of ~2-7 ms per push
+        # on the tiny model, which GRPO pays every step (benchmarks/README.md, grpo_step.py).
         with self._lock, torch.no_grad():
-            self.model.load_state_dict(dict(state), strict=False)
+            for name, value in state.items():
+                current[name].copy_(value)
             self._weights_version += 1
             return self._weights_version
 

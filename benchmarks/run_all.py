@@ -1,0 +1,415 @@
+"""`make bench`: every benchmark against its peer, interleaved, at 1 and 2 threads, one table.
+
+    .venv/bin/python benchmarks/run_all.py --quick                 # ~15 min on 2 cores: short runs, 3-4 repeats
+    .venv/bin/python benchmarks/run_all.py                         # longer runs, 3-7 repeats (~45 min)
+    .venv/bin/python benchmarks/run_all.py --quick --only sft,dpo --threads 1   # a subset
+    make bench                                                     # installs the [bench] extra, runs --quick
+
+Jobs (each reuses its script's own runner functions and settings, see their docstrings):
+
+| job | sides | figure | target (issue 14) |
+|---|---|---|---|
+| `sft-padded` | rollout, TRL `SFTTrainer`, bare PyTorch | tokens/s | rollout >= 0.95 x bare |
+| `sft-packed` | rollout bfd, TRL bfd (padding-free) | tokens/s | rollout >= 2 x TRL, and >= 2 x TRL padded |
+| `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
+| `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
+| `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
+| `startup` | `rollout --help`, `rollout validate` (fresh interpreters) | seconds | < 0.3 s |
+
+Interleaving: every job runs in its own process per thread count (OpenMP is set up
+when torch loads), prepares its inputs once, then runs repeats; a repeat runs every
+side of the job once, back to back, alternating the order (A B C, C B A, ...), so a
+change in the machine's load falls on all sides alike. The ratio reported is the median
+of the per-repeat ratios (each from sides that ran back to back); min/median/max are
+over the repeats. Repeats go on until that median is stable (it moved < 2% with the
+last repeat) after `--min-repeats`, up to `--max-repeats`, or until the job's share of
+`--budget-min` is spent. `OMP_WAIT_POLICY=PASSIVE` unless `--omp-spin`: on a machine
+that other processes keep busy, spinning OpenMP threads stall each other.
+
+Writes `benchmarks/results/<date>-<host>.md` (the table, versions, load average) and
+`.json` (every repeat's figures) unless `--no-write`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+JOBS = ("startup", "sft", "dpo", "grpo", "generation")
+WEIGHTS = {"startup": 0.06, "sft": 0.34, "dpo": 0.22, "grpo": 0.25, "generation": 0.13}
+"""Each job's share of --budget-min, per thread count (startup runs once)."""
+STABLE = 0.02
+RESULT_PREFIX = "RESULT "
+
+# job settings: (quick, full)
+SFT_STEPS = (40, 120)
+DPO_STEPS = (40, 120)
+GRPO_STEPS = (40, 100)
+GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
+STARTUP_RUNS = (8, 20)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="short runs, fewer repeats (~15 min on 2 cores)")
+    p.add_argument("--threads", default="1,2", help="torch thread counts (default 1,2)")
+    p.add_argument("--only", default=",".join(JOBS), help=f"comma-separated subset of {','.join(JOBS)}")
+    p.add_argument("--budget-min", type=float, help="total minutes to aim for (default 15 quick, 45 full)")
+    p.add_argument("--min-repeats", type=int, help="default 3")
+    p.add_argument("--max-repeats", type=int, help="default 4 quick, 7 full")
+    p.add_argument("--omp-spin", action="store_true", help="leave OMP_WAIT_POLICY alone (default PASSIVE)")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--worker", choices=JOBS, help=argparse.SUPPRESS)  # one job, one thread count
+    p.add_argument("--budget-s", type=float, default=600.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
+    args.only = [j.strip() for j in args.only.split(",") if j.strip()]
+    if any(j not in JOBS for j in args.only):
+        p.error(f"--only: choose from {', '.join(JOBS)}")
+    args.budget_min = args.budget_min or (15.0 if args.quick else 45.0)
+    args.min_repeats = args.min_repeats or 3
+    args.max_repeats = max(args.max_repeats or (4 if args.quick else 7), args.min_repeats)
+    return args
+
+
+# --------------------------------------------------------------------------- one job (worker process)
+
+
+class Repeats:
+    """Runs `sides` (name -> zero-argument function returning a figure) repeat by repeat, in
+    alternating order, until the median of the per-repeat ratios `ratio(figures)` is stable."""
+
+    def __init__(self, args: argparse.Namespace, label: str) -> None:
+        self.args, self.label = args, label
+        self.started = time.perf_counter()
+
+    def run(self, sides: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
+        figures: dict[str, list[float]] = {name: [] for name in sides}
+        per_repeat: dict[str, list[float]] = {name: [] for name in ratios}
+        extra: dict[str, list[Any]] = {name: [] for name in sides}
+        loads: list[float] = []
+        previous: float | None = None
+        for repeat in range(self.args.max_repeats):
+            t0 = time.perf_counter()
+            order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+            for name in order:
+                value, info = sides[name](repeat)
+                figures[name].append(value)
+                extra[name].append(info)
+                print(f"  [{self.label}] repeat {repeat + 1} {name:<16} {value:10.4g}  load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+            loads.append(os.getloadavg()[0])
+            for name, fn in ratios.items():
+                per_repeat[name].append(fn({k: v[-1] for k, v in figures.items()}))
+            first = statistics.median(next(iter(per_repeat.values()))) if per_repeat else 0.0
+            done, used = repeat + 1, time.perf_counter() - self.started
+            last_took = time.perf_counter() - t0
+            stable = previous is not None and abs(first - previous) <= STABLE * abs(previous)
+            previous = first
+            if done >= self.args.min_repeats and (stable or used + last_took > self.args.budget_s):
+                break
+            if used + last_took > 2 * self.args.budget_s:  # far over its share: stop even before min
+                break
+        return {"figures": figures, "ratios": per_repeat, "extra": extra, "load": loads,
+                "seconds": time.perf_counter() - self.started}
+
+
+def job_sft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import bare_loop
+    import sft_throughput as sft
+
+    steps = SFT_STEPS[0 if args.quick else 1]
+    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1"])
+    model_dir, data_path = sft.prepare_inputs(work)
+    out = {}
+    for mode, runners in (
+        ("padded", {"rollout": sft.run_rollout, "trl": sft.run_trl, "bare": bare_loop.run_bare_sft}),
+        ("packed", {"rollout": sft.run_rollout, "trl": sft.run_trl}),
+    ):
+        def side(fn: Any, name: str, mode: str = mode) -> Any:
+            def call(repeat: int) -> tuple[float, dict[str, float]]:
+                with sft.quiet_stderr():
+                    m = fn(work / f"{name}-{mode}-{repeat}", model_dir, data_path, a, packed=mode == "packed")
+                return m.tokens_per_s, {"final_loss": m.final_loss}
+            return call
+
+        sides = {name: side(fn, name) for name, fn in runners.items()}
+        ratios = {"rollout/trl": lambda f: f["rollout"] / f["trl"]}
+        if "bare" in runners:
+            ratios = {"rollout/bare": lambda f: f["rollout"] / f["bare"], **ratios,
+                      "trl/bare": lambda f: f["trl"] / f["bare"]}
+        out[f"sft-{mode}"] = Repeats(args, f"sft-{mode}").run(sides, ratios)
+    return out
+
+
+def job_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import bare_loop
+    import dpo_throughput as dpo
+
+    steps = DPO_STEPS[0 if args.quick else 1]
+    a = dpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1"])
+    model_dir, data_path = dpo.prepare_inputs(work, None)
+    runners = {"rollout": dpo.run_rollout, "trl": dpo.run_trl, "bare": bare_loop.run_bare_dpo}
+
+    def side(fn: Any, name: str) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            with dpo.quiet_stderr():
+                m = fn(work / f"{name}-{repeat}", model_dir, data_path, a)
+            return m.steps_per_s, {"final_loss": m.final_loss, "tokens_per_step": m.tokens / m.steps}
+        return call
+
+    ratios = {"rollout/trl": lambda f: f["rollout"] / f["trl"], "rollout/bare": lambda f: f["rollout"] / f["bare"],
+              "trl/bare": lambda f: f["trl"] / f["bare"]}
+    return {"dpo": Repeats(args, "dpo").run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
+
+
+def job_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import grpo_step as grpo
+
+    steps = GRPO_STEPS[0 if args.quick else 1]
+    window = min(20, steps // 2)
+    a = grpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1",
+                         "--reward-window", str(window)])
+    with grpo.quiet_stderr():
+        model_dir, prompts_path, _ = grpo.prepare_inputs(work, a)
+    runners = {"rollout": lambda *x, **k: grpo.run_rollout(*x, **k, off_policy_steps=0), "trl": grpo.run_trl}
+
+    def side(fn: Any, name: str) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            with grpo.quiet_stderr():
+                m = fn(work / f"{name}-{repeat}", model_dir, prompts_path, a, seed=repeat)
+            return m.s_per_step, {"generation_s": m.generation_s, "sample_s": m.sample_s,
+                                  "reward_last": statistics.fmean(m.rewards[-window:])}
+        return call
+
+    ratios = {"trl/rollout (s/step)": lambda f: f["trl"] / f["rollout"]}
+    return {"grpo": Repeats(args, "grpo").run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
+
+
+def job_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import generation as gen
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    prompts_n, tokens = GEN_PROMPTS[0 if args.quick else 1], GEN_TOKENS[0 if args.quick else 1]
+    model_dir = gen.make_model(ROOT / "local" / "bench-generation", "mid")
+    prompts = gen.make_prompts(prompts_n)
+
+    def side(fn: Any) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            with gen_quiet():
+                n, seconds = fn(model_dir, prompts, tokens)
+            return n / seconds, {"tokens": n}
+        return call
+
+    sides = {"engine": side(gen.bench_engine),
+             "generate-batched": side(lambda *x: gen.bench_hf_generate(*x, batched=True))}
+    ratios = {"engine/generate": lambda f: f["engine"] / f["generate-batched"]}
+    return {"generation": Repeats(args, "generation").run(sides, ratios)}
+
+
+def gen_quiet() -> Any:
+    from bench_common import quiet_stderr
+
+    return quiet_stderr()
+
+
+def job_startup(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import startup
+
+    config = str(startup.prepare_config(work))
+    env = startup.child_env(work / "pycache")
+    commands = {"--help": startup.rollout_command("--help"),
+                "validate": startup.rollout_command("validate", "--config", config)}
+    for command in commands.values():
+        startup.run_once(command, env)  # warm-up: file cache, .pyc files
+    out: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in commands}
+    for _ in range(STARTUP_RUNS[0 if args.quick else 1]):
+        for name, command in commands.items():
+            wall, cpu = startup.run_once(command, env)
+            out[name]["wall"].append(wall)
+            out[name]["cpu"].append(cpu)
+    return {"startup": out}
+
+
+def worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.path.insert(0, str(HERE))
+    if args.worker != "startup":
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    job = {"startup": job_startup, "sft": job_sft, "dpo": job_dpo, "grpo": job_grpo,
+           "generation": job_generation}[args.worker]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
+        result = job(args, Path(tmp))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_worker(job: str, threads: int, budget_s: float, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job, "--threads", str(threads),
+           "--budget-s", f"{budget_s:.0f}", "--min-repeats", str(args.min_repeats),
+           "--max-repeats", str(args.max_repeats), *(["--quick"] if args.quick else [])]
+    env = dict(os.environ)
+    if not args.omp_spin:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    result = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+        else:
+            print(line, end="", flush=True)
+    if proc.wait() != 0 or result is None:
+        raise SystemExit(f"benchmark job {job} ({threads} threads) failed (exit {proc.returncode})")
+    return result
+
+
+TARGETS = {
+    ("sft-padded", "rollout/bare"): 0.95,
+    ("sft-packed", "rollout/trl"): 2.0,
+    ("sft-packed", "rollout/trl padded"): 2.0,
+    ("dpo", "rollout/trl"): 1.5,
+    ("dpo", "rollout/bare"): 0.95,
+    ("grpo", "trl/rollout (s/step)"): 2.0,
+    ("generation", "engine/generate"): 1.5,
+}
+UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s"}
+
+
+def summarize(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (job, threads, ratio): sides' min/median/max, the median per-repeat ratio, target."""
+    rows = []
+    for threads, jobs in results.items():
+        if "sft-padded" in jobs and "sft-packed" in jobs:  # packed rollout vs TRL padded, repeat by repeat
+            packed, padded = jobs["sft-packed"], jobs["sft-padded"]
+            packed["ratios"]["rollout/trl padded"] = [
+                a / b for a, b in zip(packed["figures"]["rollout"], padded["figures"]["trl"], strict=False)]
+        for job, r in jobs.items():
+            if job == "startup":
+                continue
+            sides = {name: _spread(v) for name, v in r["figures"].items()}
+            for ratio, values in r["ratios"].items():
+                target = TARGETS.get((job, ratio))
+                median = statistics.median(values)
+                rows.append({
+                    "job": job, "threads": threads, "unit": UNITS[job], "sides": sides, "ratio": ratio,
+                    "ratio_spread": _spread(values), "median_ratio": median, "target": target,
+                    "met": None if target is None else median >= target, "repeats": len(values),
+                    "load": _spread(r["load"]), "extra": r["extra"],
+                })
+    return rows
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, meta: dict[str, Any]) -> str:
+    out = [f"# rollout benchmarks, {meta['date']}, {meta['host']}", "",
+           f"{meta['versions']}; {meta['cpus']} cpus; mode {meta['mode']}; OMP_WAIT_POLICY {meta['omp']}; "
+           f"load average {meta['load_before']} before, {meta['load_after']} after; {meta['minutes']:.1f} min.", "",
+           "Figures: min / median / max over the repeats. Ratio: median of the per-repeat ratios "
+           "(sides run back to back, order alternating), [min-max] in brackets.", "",
+           "| job | threads | unit | rollout | peer | bare | ratio | median ratio [min-max] | target | met | "
+           "repeats | load |", "|---|---:|---|---|---|---|---|---|---:|---|---:|---|"]
+    for r in rows:
+        sides = r["sides"]
+        names = list(sides)
+        ours = "rollout" if "rollout" in sides else names[0]
+        peer = next((n for n in names if n not in (ours, "bare")), "")
+        cell = {n: "/".join(_fmt(sides[n][k]) for k in ("min", "median", "max")) for n in names}
+        spread = r["ratio_spread"]
+        out.append(
+            f"| {r['job']} | {r['threads']} | {r['unit']} | {cell[ours]} | {peer + ' ' if peer else ''}"
+            f"{cell.get(peer, '')} | {cell.get('bare', '')} | {r['ratio']} | **{r['median_ratio']:.2f}x** "
+            f"[{spread['min']:.2f}-{spread['max']:.2f}] | {'' if r['target'] is None else r['target']} | "
+            f"{'' if r['met'] is None else ('yes' if r['met'] else 'NO')} | {r['repeats']} | "
+            f"{r['load']['min']:.1f}-{r['load']['max']:.1f} |")
+    if startup:
+        out += ["", "| command | wall min | wall median | wall max | cpu min | cpu median | target | met (median wall) |",
+                "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for name, v in startup.items():
+            w, c = _spread(v["wall"]), _spread(v["cpu"])
+            out.append(f"| rollout {name} | {w['min']:.3f} | {w['median']:.3f} | {w['max']:.3f} | {c['min']:.3f} | "
+                       f"{c['median']:.3f} | < 0.3 s | {'yes' if w['median'] < 0.3 else 'NO'} |")
+    return "\n".join(out) + "\n"
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("rollout", "trl", "transformers", "torch"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} -")
+    return ", ".join(found) + f", python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    started, load_before = time.perf_counter(), os.getloadavg()
+    budget = args.budget_min * 60
+    results: dict[int, dict[str, Any]] = {t: {} for t in args.threads}
+    startup = None
+    if "startup" in args.only:
+        print("== startup", flush=True)
+        startup = run_worker("startup", 1, budget * WEIGHTS["startup"], args)["startup"]
+    for threads in args.threads:
+        for job in (j for j in args.only if j != "startup"):
+            share = budget * WEIGHTS[job] / len(args.threads)
+            print(f"== {job}, {threads} thread(s), budget {share / 60:.1f} min", flush=True)
+            results[threads].update(run_worker(job, threads, share, args))
+    rows = summarize(results)
+    now = dt.datetime.now()
+    meta = {"date": now.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(), "versions": versions(),
+            "cpus": os.cpu_count(), "mode": "quick" if args.quick else "full",
+            "omp": "spin (unset)" if args.omp_spin else "PASSIVE",
+            "load_before": " ".join(f"{x:.2f}" for x in load_before),
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "minutes": (time.perf_counter() - started) / 60}
+    text = render_markdown(rows, startup, meta)
+    print("\n" + text)
+    if not args.no_write:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"{args.out}/{now.strftime('%Y-%m-%d')}-{socket.gethostname()}"
+        Path(f"{stem}.md").write_text(text, encoding="utf-8")
+        Path(f"{stem}.json").write_text(
+            json.dumps({"meta": meta, "rows": rows, "startup": startup, "raw": results}, indent=1), encoding="utf-8")
+        print(f"wrote {stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
