@@ -9,9 +9,12 @@ with the same installed packages. Both sides run the *base* commit's example con
 (`examples/<algo>-tiny.toml`: single-turn, arithmetic reward; a newer tree reads
 older configs), with the tiny untrained model (`init_tiny_model`), the arithmetic
 data, `--steps` optimizer steps, no snapshot before the end, one torch thread
-(`--threads`). The timed figure is the median wall time between consecutive
-steps' metric records (the training loop hands them to its recorder once per
-step), steps 6..N: model loading, the first steps and the export are outside it.
+(`--threads`). The timed figure is the median process CPU time (every thread:
+the sampler's worker thread too) between consecutive steps' metric records (the
+training loop hands them to its recorder once per step), steps 6..N: model
+loading, the first steps and the export are outside it. CPU time rather than
+wall time: on a machine other jobs keep busy, wall time also counts the waits
+for a core, which made pair ratios swing 0.88..1.51 in a trial run.
 Runs alternate base / head / head / base ..., `--repeats` times per algorithm;
 the report gives each side's median s/step over repeats and the median of the
 per-pair ratios head / base (above 1: this tree is slower).
@@ -40,7 +43,7 @@ from rollout.config import load_config
 stamps = []
 original = observe.RunRecorder.metrics
 def metrics(self, step, values):
-    stamps.append(time.perf_counter())
+    stamps.append(time.process_time())
     return original(self, step, values)
 observe.RunRecorder.metrics = metrics
 import importlib
@@ -113,7 +116,7 @@ def main() -> None:
         write_arithmetic_dataset(work / "data" / "arithmetic")
         print(f"base {base} vs head {head}{' + uncommitted src changes' if dirty else ''}; {args.steps} steps,"
               f" timed steps {SKIP + 1}..{args.steps}, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
-        print("| algo | base s/step | head s/step | head / base (median of pairs) | pair ratios |")
+        print("| algo | base CPU s/step | head CPU s/step | head / base (median of pairs) | pair ratios |")
         print("|---|---:|---:|---:|---|")
         for algo in args.algos.split(","):
             configs = {side: _config(base, algo, work, args.steps, side) for side in ("base", "head")}
