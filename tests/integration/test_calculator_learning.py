@@ -33,10 +33,12 @@ def test_calculator_tool_use_is_learned_from_traces(workspace, sft_run, tmp_path
     """The demo's tool-use SFT: from the arithmetic SFT model, on calculator traces.
 
     Held-out: 200 products the traces never show, greedy, up to 3 turns (a call, the tool's
-    answer, the final answer). Measured (1 thread, training seeds 0 / 1 / 2): the model without
-    traces 0.0 / 0.0 / 0.0, the traced model (1500 steps) 0.74 / 0.99 / 0.54; this test runs
-    seed 0 and asserts 0.09 below the worst seed. The GRPO stage that follows in the demo is not
-    asserted here: no setting measured so far gains +0.15 within its budget (see its example)."""
+    answer, the final answer). Measured (1 thread, training seeds 0 / 1 / 2, 8000 traces): the
+    model without traces 0.0 / 0.0 / 0.0, the traced model (1500 steps) 0.94 / 0.745 / 0.86; this
+    test runs seed 0 and asserts the issue's 0.60, 0.145 below the worst seed. The GRPO stage that
+    follows in the demo is not asserted here: the recipe measured in its example gained +0.30 /
+    +0.185 / +0.29 (seeds 0 / 1 / 2, 100 steps from partly trained snapshots), too thin a margin on
+    seed 1 for a +0.15 assertion, and its ~5 CPU-minutes would double this file's."""
     from rollout.algorithms.sft import train_sft
     from rollout.tasks.calculator import write_calculator_data
 
@@ -51,4 +53,4 @@ def test_calculator_tool_use_is_learned_from_traces(workspace, sft_run, tmp_path
     sft_acc = _eval_pass1(capsys, sft_cfg.algorithm.settings.export.dir, data, store)
     print(f"calculator pass@1: no tool traces {without_tool:.3f}, tools SFT {sft_acc:.3f}")
     assert without_tool <= 0.05
-    assert sft_acc >= 0.45
+    assert sft_acc >= 0.60

@@ -1,6 +1,6 @@
 """The calculator task: multi-digit arithmetic a tiny model can't do in its head, solved by a tool call.
 
-    rollout data calculator ./data/calc                   # 2000 sft traces, 4000 RL prompts, 200 eval prompts
+    rollout data calculator ./data/calc --n-sft 8000      # 8000 sft traces, 4000 RL prompts, 200 eval prompts
     rollout data calculator ./data/calc2 --left-digits 4 --seed 1
 
 Files (JSON lines):
@@ -40,6 +40,9 @@ DEFAULT_LEFT = (100, 999)
 DEFAULT_RIGHT = (10, 99)
 MAX_DIGITS = 30
 """Per operand, so every result stays far inside the calculator's 100-digit limit."""
+DEFAULT_N_SFT = 8000
+"""SFT traces by default: 3 epochs in the tools SFT example's 1500 steps. With 2000 (12 epochs)
+the model learned to copy the tool's result later, and at a step that varied more with the seed."""
 FINAL_ANSWER = "The answer is {answer}."
 _NUMBER = re.compile(r"(?<!\d)-?\d+(?:\.\d+)?")
 """A minus sign right after a digit is an operator ("5-3" holds 5 and 3), not a sign."""
@@ -177,7 +180,7 @@ def write_calculator_data(
     out_dir: Path,
     *,
     seed: int = 0,
-    n_sft: int = 2000,
+    n_sft: int = DEFAULT_N_SFT,
     n_train: int = 4000,
     n_eval: int = 200,
     left: tuple[int, int] = DEFAULT_LEFT,
