@@ -276,3 +276,13 @@ def test_cli_data_calculator_bad_input_exits_2(
         main(["data", "calculator", str(tmp_path / "x"), *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cli_writes_as_many_traces_as_the_recipe_was_measured_with() -> None:
+    """`rollout data calculator`'s default is the generator's (the demo's SFT figures assume 8000)."""
+    import inspect
+
+    from rollout.cli.data import calculator
+    from rollout.tasks.calculator import DEFAULT_N_SFT
+
+    assert inspect.signature(calculator).parameters["n_sft"].default.default == DEFAULT_N_SFT == 8000

@@ -67,7 +67,7 @@ def arithmetic(
 def calculator(
     out_dir: Path = typer.Argument(..., help="Directory to write the jsonl files to."),
     seed: int = typer.Option(0, help="Seed; sft, train and eval lines use independent streams from it."),
-    n_sft: int = typer.Option(2000, help="SFT traces (tool call, tool result, final answer) in sft.jsonl."),
+    n_sft: int = typer.Option(8000, help="SFT traces (tool call, tool result, final answer) in sft.jsonl (tasks.calculator.DEFAULT_N_SFT)."),
     n_train: int = typer.Option(4000, help="RL prompts in prompts.jsonl."),
     n_eval: int = typer.Option(200, help="Distinct eval prompts in eval_prompts.jsonl (in no other file)."),
     left_digits: int = typer.Option(3, help="Digits of the left operand."),
