@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from rollout.tasks.guess_number import (
     parse_guess,
     prompt_row,
     question,
+    random_search_guesses,
     sft_trace,
     write_guess_number_data,
 )
@@ -127,6 +129,34 @@ def test_decay_values() -> None:
     assert reward(5) == 1.0  # no decay
 
 
+def test_progress_rewards_the_bits_each_guess_learns() -> None:
+    # secret 11 in 1..16: 8 leaves 9..16 (1 bit of 4), 12 leaves 9..11 (log2 8/3), 11 is the rest
+    steps = play(GuessNumberEnv(progress=0.5), prompt_row(16, 11), ["Guess: 8", "Guess: 12", "Guess: 11"])
+    assert [s.reward for s in steps] == pytest.approx([0.5 / 4, 0.5 * math.log2(8 / 3) / 4, 1 + 0.5 * math.log2(3) / 4])
+    assert sum(s.reward for s in steps) == pytest.approx(1.5)  # a found secret: 1 + w, whatever the path
+    # wasted turns learn nothing: invalid, out of range, a guess outside the numbers still possible
+    wasted = play(GuessNumberEnv(progress=1.0), prompt_row(16, 11), ["Guess: 12", "what?", "Guess: 0", "Guess: 14"])
+    assert [s.reward for s in wasted] == pytest.approx([(4 - math.log2(11)) / 4, 0.0, 0.0, 0.0])
+    # out of turns: the bits learned are kept, the success reward is not
+    halving = play(GuessNumberEnv(progress=1.0, max_turns=2), prompt_row(16, 11), ["Guess: 8", "Guess: 12"])
+    nibbling = play(GuessNumberEnv(progress=1.0, max_turns=2), prompt_row(16, 11), ["Guess: 1", "Guess: 2"])
+    assert halving[-1].done and halving[-1].info["out_of_turns"] and nibbling[-1].done
+    assert sum(s.reward for s in halving) == pytest.approx(math.log2(16 / 3) / 4)
+    assert sum(s.reward for s in nibbling) == pytest.approx(math.log2(16 / 14) / 4)
+    with_decay = play(GuessNumberEnv(progress=1.0, decay=True, max_turns=4), prompt_row(16, 11), ["8", "12", "11"])
+    assert sum(s.reward for s in with_decay) == pytest.approx(1 - 2 / 4 + 1)
+
+    async def binary_returns(n: int) -> set[float]:
+        return {round(sum(s.reward for s in await binary_search(GuessNumberEnv(progress=0.25), n, k)), 9)
+                for k in range(1, n + 1)}  # fmt: skip
+
+    assert asyncio.run(binary_returns(16)) == asyncio.run(binary_returns(100)) == {1.25}
+    assert asyncio.run(binary_returns(1)) == {1.0}  # n = 1: nothing to learn
+    assert play(GuessNumberEnv(), prompt_row(16, 11), ["Guess: 8"])[0].reward == 0.0  # off by default
+    with pytest.raises(ConfigError, match="options.progress: "):
+        GuessNumberEnv(progress=-1.0)
+
+
 def test_rows_and_options_are_validated() -> None:
     env = resolve_env("guess_number")(n=8, decay=True)
     messages = asyncio.run(env.reset({"secret": 8}))  # n from the options, the standard question
@@ -188,6 +218,43 @@ def test_sft_traces_are_binary_searches_the_env_accepts(n: int) -> None:
         steps = play(GuessNumberEnv(), prompt_row(n, secret), [m["content"] for m in trace[1::2]])
         assert [s.messages[0]["content"] for s in steps[:-1]] == [m["content"] for m in trace[2::2]]
         assert steps[-1].done and steps[-1].info["feedback"] == "correct" and steps[-1].reward == 1.0
+
+
+def test_random_and_mixed_traces_search_among_the_numbers_still_possible(tmp_path: Path) -> None:
+    sizes = {"n_sft": 2000, "n_train": 5, "n_eval": 5}
+    rand = write_guess_number_data(tmp_path / "r", seed=1, strategy="random", **sizes)
+    again = write_guess_number_data(tmp_path / "r2", seed=1, strategy="random", **sizes)
+    binary = write_guess_number_data(tmp_path / "b", seed=1, **sizes)
+    assert rand["sft"].read_bytes() == again["sft"].read_bytes()
+    assert rand["prompts"].read_bytes() == binary["prompts"].read_bytes()  # the strategy only changes sft
+    bin_secrets = [parse_guess(r["messages"][-1]["content"]) for r in read(binary["sft"])]
+    lengths = []
+    for row, secret in zip(read(rand["sft"]), bin_secrets, strict=True):
+        assert check_line(row, "sft") is None
+        trace = row["messages"]
+        guesses = [parse_guess(m["content"]) for m in trace[1::2]]
+        assert guesses[-1] == secret  # the same games as the binary traces
+        low, high = 1, 16  # every guess is still possible given the answers so far
+        for guess, answer in zip(guesses, [m["content"] for m in trace[2::2]], strict=False):
+            assert low <= guess <= high
+            low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
+        steps = play(GuessNumberEnv(), prompt_row(16, secret), [m["content"] for m in trace[1::2]])
+        assert steps[-1].done and steps[-1].reward == 1.0
+        lengths.append(len(guesses))
+    # slower than binary search (<= 5 guesses): 58% within 4 guesses, mean 4.2 (simulated, 20000 games)
+    within4 = sum(k <= 4 for k in lengths) / len(lengths)
+    assert 0.53 <= within4 <= 0.63 and 3.9 <= sum(lengths) / len(lengths) <= 4.5 and max(lengths) > 6
+    # "mixed": the middle half of the time, else random; still every guess possible, 72% within 4
+    mixed = read(write_guess_number_data(tmp_path / "m", seed=1, strategy="mixed", **sizes)["sft"])
+    first = [parse_guess(r["messages"][1]["content"]) for r in mixed]
+    assert 0.45 <= first.count(8) / len(first) <= 0.6  # 1/2 + 1/2 * 1/16
+    mixed_lengths = [len(r["messages"]) // 2 for r in mixed]
+    assert 0.67 <= sum(k <= 4 for k in mixed_lengths) / len(mixed_lengths) <= 0.77
+    rng = random.Random(0)
+    assert random_search_guesses(1, 1, rng) == [1]
+    assert random_search_guesses(16, 11, rng, middle=1.0) == binary_search_guesses(16, 11)
+    with pytest.raises(ConfigError, match="strategy must be one of binary, random, mixed"):
+        write_guess_number_data(tmp_path / "x", strategy="ternary")
 
 
 def test_cli_data_guess_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -99,14 +99,20 @@ def guess_number(
     out_dir: Path = typer.Argument(..., help="Directory to write the jsonl files to."),
     n: int = typer.Option(16, "--n", help="Secrets are integers from 1 to N."),
     seed: int = typer.Option(0, help="Seed; sft, train and eval secrets use independent streams from it."),
-    n_sft: int = typer.Option(1000, "--n-sft", help="Binary-search SFT traces in sft.jsonl."),
+    n_sft: int = typer.Option(1000, "--n-sft", help="Search traces in sft.jsonl (see --strategy)."),
     n_train: int = typer.Option(2000, "--n-train", "--train", help="RL prompts in prompts.jsonl."),
     n_eval: int = typer.Option(200, "--n-eval", "--test", help="Eval prompts in eval_prompts.jsonl."),
+    strategy: str = typer.Option(
+        "binary", help='SFT traces: "binary" (optimal search), "random" (uniform among the numbers still possible)'
+        ' or "mixed" (the middle half of the time, else random).'
+    ),
 ) -> None:
     """Write the guess-the-number task: sft.jsonl, prompts.jsonl and eval_prompts.jsonl."""
     from rollout.tasks.guess_number import write_guess_number_data
 
-    written = write_guess_number_data(out_dir, seed=seed, n=n, n_sft=n_sft, n_train=n_train, n_eval=n_eval)
+    written = write_guess_number_data(
+        out_dir, seed=seed, n=n, n_sft=n_sft, n_train=n_train, n_eval=n_eval, strategy=strategy
+    )
     lines = {"sft": n_sft, "prompts": n_train, "eval_prompts": n_eval}
     for name, path in written.items():
         typer.echo(f"{path}  ({lines[name]} lines)")

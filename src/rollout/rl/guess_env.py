@@ -23,6 +23,17 @@ had. With `decay = true` the correct guess at turn t (1-based) earns
 first guess, falling linearly (for n = 16 and no cap, binary search's worst
 case of 5 guesses earns 0.75).
 
+With `progress = w > 0` every guess also earns w times the share of the
+search it did: `(log2 |S| - log2 |S'|) / log2 n`, S the numbers still
+possible before the guess (consistent with every answer so far), S' after
+it ({secret} after the correct guess). A found secret then adds exactly w to
+the episode's return whatever the path; a game that runs out of turns keeps
+w times the bits it learned (a guess at the middle of S learns one bit, a
+guess outside S or an invalid reply none). A denser signal than success
+alone for RL: a failed search that halved the interval scores above one that
+nibbled at its edge. 0 (default) leaves the rewards above unchanged; n = 1
+has nothing to learn and earns no progress reward.
+
 Turns are capped by the episode's `max_turns` (the loop ends the episode,
 return 0). The env's own `max_turns` option also ends it, with done and
 reward 0 after that many guesses without success, which makes the env
@@ -36,6 +47,7 @@ out_of_turns when the env's own `max_turns` ended the game.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +70,10 @@ class GuessNumberEnvOptions(StrictModel):
     max_turns: int | None = Field(
         None, ge=1, le=10_000, description="Guesses before the env ends the episode itself (None: the episode's cap)."
     )
+    progress: float = Field(
+        0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="Weight w of the per-guess reward w * (bits learned) / log2 n (0: success reward only).",
+    )
 
 
 class GuessNumberEnv:
@@ -73,6 +89,7 @@ class GuessNumberEnv:
         self._n = self.options.n
         self._secret: int | None = None
         self._turn = 0
+        self._low, self._high = 1, self._n  # the numbers still possible
 
     async def reset(self, row: Mapping[str, Any]) -> list[Message]:
         n = row.get("n", self.options.n)
@@ -85,6 +102,7 @@ class GuessNumberEnv:
                 " (make rows with `rollout data guess-number`)"
             )
         self._n, self._secret, self._turn = n, secret, 0
+        self._low, self._high = 1, n
         prompt = row.get("prompt") or question(n)
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
@@ -96,6 +114,7 @@ class GuessNumberEnv:
         self._turn += 1
         guess = parse_guess(assistant_message.get("content") or "")
         info: dict[str, Any] = {"guess": guess, "turn": self._turn, "secret": self._secret}
+        progress = 0.0
         if guess is None:
             info["feedback"] = "invalid"
             reply = f'Invalid reply. Answer with only "Guess: N", N an integer from 1 to {self._n}.'
@@ -104,12 +123,27 @@ class GuessNumberEnv:
             reply = f"{guess} is out of range: guess an integer from 1 to {self._n}."
         else:
             info["feedback"] = reply = answer_guess(self._secret, guess)
+            progress = self._narrow(guess, reply)
             if reply == "correct":
-                return StepResult((), self._reward(), True, info)
+                return StepResult((), self._reward() + progress, True, info)
         if self.options.max_turns is not None and self._turn >= self.options.max_turns:
             info["out_of_turns"] = True
-            return StepResult((), 0.0, True, info)
-        return StepResult(({"role": "user", "content": reply},), 0.0, False, info)
+            return StepResult((), progress, True, info)
+        return StepResult(({"role": "user", "content": reply},), progress, False, info)
+
+    def _narrow(self, guess: int, reply: str) -> float:
+        """Shrink the numbers still possible by the answer; the `progress` reward for it."""
+        before = self._high - self._low + 1
+        if reply == "correct":
+            self._low = self._high = guess
+        elif reply == "higher":
+            self._low = max(self._low, guess + 1)
+        else:
+            self._high = min(self._high, guess - 1)
+        if not self.options.progress or self._n == 1:
+            return 0.0
+        after = self._high - self._low + 1
+        return self.options.progress * (math.log2(before) - math.log2(after)) / math.log2(self._n)
 
     def _reward(self) -> float:
         """1.0, or with `decay` 1 - (t-1)/T for a correct guess at turn t."""
