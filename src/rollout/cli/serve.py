@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -81,8 +81,7 @@ def serve(
         raise ConfigError('rollout serve runs the model itself: set inference.engine to "hf" or "vllm"')
     listener = _bind(host, port)  # fail on a taken port before loading the model
 
-    import uvicorn  # fastapi and uvicorn load only now: `rollout --help` stays fast
-
+    # fastapi and uvicorn load only now: `rollout --help` stays fast
     from rollout.serve.app import ServerSettings, create_app
 
     storage, objects = storage_locations(storage_path, object_path)
@@ -107,22 +106,9 @@ def serve(
         retry_after_s=s.retry_after_s,
     )
     app = create_app(engine, settings)
-    bound_host, bound_port = listener.getsockname()[:2]
-    if host not in LOOPBACK and not api_key:
-        print(
-            f"warning: serving on {host} without --api-key: anyone who can reach it can use it",
-            file=sys.stderr,
-        )
-    typer.echo(
-        f"serving {settings.model_name} on http://{_url_host(bound_host)}:{bound_port}/v1"
-        f" (api key {'on' if api_key else 'off'}, weight updates {'on' if admin_key else 'off'})"
-    )
-    sys.stdout.flush()
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    )
     try:
-        server.run(sockets=[listener])
+        _run(app, listener, host=host, api_key=api_key, log_level=log_level, what=settings.model_name,
+             details=f"api key {'on' if api_key else 'off'}, weight updates {'on' if admin_key else 'off'}")
     finally:
         engine.close()
 
@@ -135,7 +121,6 @@ def _serve_reward_model(
     `rollout train rm` rendered its pairs, the first `max_model_len` tokens (default 512, the
     `max_seq_len` default of a reward entry) scored."""
     import torch
-    import uvicorn
 
     from rollout.rl.reward_model import load_reward_model
     from rollout.serve.reward_app import RewardServerSettings, create_reward_app
@@ -147,11 +132,19 @@ def _serve_reward_model(
                            max_seq_len=cfg.max_model_len or 512)
     app = create_reward_app(rm, RewardServerSettings(model_name=name, api_key=api_key,
                                                      max_body_bytes=cfg.server.max_body_bytes))
+    _run(app, listener, host=host, api_key=api_key, log_level=log_level, what=f"reward model {name}",
+         details=f"POST /v1/rewards; api key {'on' if api_key else 'off'}")
+
+
+def _run(app: Any, listener: socket.socket, *, host: str, api_key: str | None, log_level: str, what: str,
+         details: str) -> None:
+    """Warn about an open port without a key, print where it serves, and run uvicorn on `listener`."""
+    import uvicorn
+
     bound_host, bound_port = listener.getsockname()[:2]
     if host not in LOOPBACK and not api_key:
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    typer.echo(f"serving reward model {name} on http://{_url_host(bound_host)}:{bound_port}/v1"
-               f" (POST /v1/rewards; api key {'on' if api_key else 'off'})")
+    typer.echo(f"serving {what} on http://{_url_host(bound_host)}:{bound_port}/v1 ({details})")
     sys.stdout.flush()
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on")
