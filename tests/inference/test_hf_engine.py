@@ -38,11 +38,12 @@ def varied(params: SamplingParams) -> list[GenerationRequest]:
     ]
 
 
-def teacher_forced_logprobs(model, prompt_ids, token_ids) -> torch.Tensor:
-    """log p(token_i | prompt, tokens_<i) from one unpadded forward pass over prompt + completion."""
+def teacher_forced_logprobs(model, prompt_ids, token_ids, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token_i | prompt, tokens_<i) from one unpadded forward pass over prompt + completion,
+    under softmax(logits / temperature)."""
     ids = torch.tensor([list(prompt_ids) + list(token_ids)])
     with torch.no_grad():
-        logprobs = model(input_ids=ids).logits[0].float().log_softmax(-1)
+        logprobs = (model(input_ids=ids).logits[0].float() / temperature).log_softmax(-1)
     start = len(prompt_ids) - 1
     return (
         logprobs[start : start + len(token_ids)].gather(-1, torch.tensor(token_ids).unsqueeze(-1)).squeeze(-1)
@@ -75,6 +76,25 @@ def test_logprobs_equal_a_teacher_forced_forward_pass(
             assert len(c.token_ids) == len(c.logprobs) == c.completion_tokens >= 1
             expected = teacher_forced_logprobs(small_batch_engine.model, c.prompt_token_ids, c.token_ids)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_tempered_logprobs_are_of_the_temperature_scaled_distribution(small_batch_engine: HFEngine) -> None:
+    """RL trains softmax(logits / T) (as TRL and verl do); the engine's log-probs must be of the same
+    distribution for the importance ratio. Same seed: same tokens, only the log-probs change; rows
+    with and without the flag (and greedy rows) share a batch."""
+    tempered = SamplingParams(temperature=0.6, max_tokens=12, seed=3, tempered_logprobs=True)
+    requests = varied(tempered)
+    requests[1] = replace(requests[1], params=replace(tempered, tempered_logprobs=False))
+    requests[2] = replace(requests[2], params=replace(tempered, temperature=0.0))
+    results = small_batch_engine.generate(requests)
+    plain = small_batch_engine.generate(varied(replace(tempered, tempered_logprobs=False)))
+    for i, ([c], [p]) in enumerate(zip(results, plain, strict=True)):
+        t = 0.6 if i != 1 and i != 2 else 1.0
+        expected = teacher_forced_logprobs(small_batch_engine.model, c.prompt_token_ids, c.token_ids, t)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+        if i not in (1, 2):
+            assert c.token_ids == p.token_ids
+            assert max(abs(a - b) for a, b in zip(c.logprobs, p.logprobs, strict=True)) > 1e-3
 
 
 def test_same_seed_same_completion_batched_or_alone(engine: HFEngine, small_batch_engine: HFEngine) -> None:

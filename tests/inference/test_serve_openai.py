@@ -58,6 +58,22 @@ def test_completion_with_n_logprobs_and_usage(client: openai.OpenAI, engine: HFE
         assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
 
 
+def test_tempered_logprobs_extension(client: openai.OpenAI, engine: HFEngine) -> None:
+    """`tempered_logprobs` (rollout's extension): log-probs of softmax(logits / T), as an RL trainer
+    pooling remote engines needs; the same seed samples the same tokens."""
+    common = dict(model="tiny", prompt="What is 3+8?", max_tokens=6, seed=5, logprobs=0, temperature=0.5)
+    raw = client.completions.create(**common)
+    tempered = client.completions.create(**common, extra_body={"tempered_logprobs": True})
+    direct = engine.generate(["What is 3+8?"], SamplingParams(max_tokens=6, seed=5, temperature=0.5,
+                                                              tempered_logprobs=True))[0][0]
+    assert tempered.choices[0].text == raw.choices[0].text == direct.text
+    assert tempered.choices[0].logprobs.token_logprobs == pytest.approx(list(direct.logprobs), abs=1e-6)
+    assert raw.choices[0].logprobs.token_logprobs != pytest.approx(list(direct.logprobs), abs=1e-3)
+    bad = httpx.post(f"{client.base_url}completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={**common, "tempered_logprobs": "yes"}, timeout=30)
+    assert bad.status_code == 400
+
+
 def test_completion_with_several_prompts(client: openai.OpenAI) -> None:
     r = client.completions.create(model="tiny", prompt=["hello", "What is"], max_tokens=4, n=2, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]

@@ -57,6 +57,8 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     from rollout.algorithms.grpo import train_grpo
 
     replace = {**SMALL, "off_policy_steps = 0": f"off_policy_steps = {pipelined}", "beta = 0.0": "beta = 0.04"}
+    if not pipelined:  # sample and train at T = 0.7: softmax(logits / T) on both sides
+        replace["temperature = 1.0"] = "temperature = 0.7"
     config = example_config("grpo-tiny.toml", workspace, tmp_path, replace)
     cfg = load_config(config)
     full = train_grpo(cfg)
@@ -67,6 +69,8 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     assert sorted(snaps) == [N // 2, N]
     if not pipelined:  # on-policy first step: the ratio is exactly 1 and the KL to the identical reference 0
         assert first["train/ratio_max"] == 1.0 and first["train/ratio_mean"] == 1.0 and first["train/kl"] == 0.0
+        # the engine's log-probs are of the same tempered distribution the trainer computes
+        assert first["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert_resume_matches(config, cfg, full.run_id, snaps)
 
 

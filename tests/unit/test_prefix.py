@@ -29,13 +29,14 @@ def _batch():
     return collate_prefix([PROMPTS[p] for p, _ in ROWS], [c for _, c in ROWS], PAD)
 
 
-def _direct(model) -> list[list[float]]:
-    """Each full row alone (no padding at all), one token at a time, in float64."""
+def _direct(model, temperature: float = 1.0) -> list[list[float]]:
+    """Each full row alone (no padding at all), one token at a time, in float64, under
+    softmax(logits / temperature)."""
     out = []
     for p, c in ROWS:
         ids = torch.tensor([PROMPTS[p] + c])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].double()
+            logits = model(input_ids=ids).logits[0].double() / temperature
         out.append([float(torch.log_softmax(logits[len(PROMPTS[p]) + j - 1], -1)[tok]) for j, tok in enumerate(c)])
     return out
 
@@ -61,6 +62,21 @@ def test_logps_equal_the_full_rows_one_token_at_a_time(model):
         assert got == pytest.approx(want, abs=1e-5)
     assert logps[~b.completion_mask].abs().sum() == 0 and entropy[~b.completion_mask].abs().sum() == 0
     assert bool((entropy[b.completion_mask] > 0).all())
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_logps_at_a_temperature_are_of_the_scaled_distribution(model, temperature):
+    """RL trains the distribution it samples: softmax(logits / T); entropies are of it too."""
+    b = _batch()
+    logps, entropy = prefix_logps(model, b, with_entropy=True, temperature=temperature)
+    plain, plain_entropy = prefix_logps(model, b, with_entropy=True)
+    for got, want in zip(_rows(logps, b), _direct(model, temperature), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert (logps - plain)[b.completion_mask].abs().max() > 1e-3
+    sharper = temperature < 1
+    assert bool(((entropy < plain_entropy) == sharper)[b.completion_mask].all())
+    frozen = frozen_prefix_logps(model, b, temperature=temperature)
+    assert torch.allclose(frozen, logps, atol=1e-6)
 
 
 def test_gradients_equal_the_full_rows(model):

@@ -22,6 +22,7 @@ then split over the ranks (`rank_rows`) and the gradients summed (FSDP2 / DDP,
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,7 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
     def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
-        logps, entropy = prefix_logps(model, batch.rows, with_entropy=True)
+        logps, entropy = prefix_logps(model, batch.rows, with_entropy=True, temperature=s.temperature)
         mask = batch.rows.target_mask
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         loss, metrics = grpo_loss(
@@ -117,12 +118,13 @@ def rank_rows(idx: list[int], dist: Distributed) -> tuple[list[int], list[bool]]
     return (mine, [True] * len(mine)) if mine else ([idx[0]], [False])
 
 
-def frozen_logps(backend: Any, model: Any, rows: Any) -> Any:
-    """The current policy's log-probs of `rows` without grad: under FSDP2 through the wrapper
-    (which gathers the sharded parameters), else from the model itself."""
+def frozen_logps(backend: Any, model: Any, rows: Any, temperature: float) -> Any:
+    """The current policy's log-probs of `rows` at `temperature` without grad: under FSDP2 through
+    the wrapper (which gathers the sharded parameters), else from the model itself."""
+    fn = functools.partial(frozen_prefix_logps, temperature=temperature)
     if isinstance(backend, DistributedBackend) and backend.dist.sharding == "fsdp":
-        return backend.forward_frozen(rows, frozen_prefix_logps)
-    return frozen_prefix_logps(model, rows)
+        return backend.forward_frozen(rows, fn)
+    return fn(model, rows)
 
 
 def reduce_metrics(agg: dict[str, float], dist: Distributed) -> dict[str, float]:
@@ -146,7 +148,8 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
-    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                              tempered_logprobs=True)  # the trained distribution: softmax(logits / T)
     group = GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s)
     rollout_engine = build_rollout_engine(
         cfg, base_model, group=group, rewards=s.rewards, env=s.env, device=device,
@@ -227,8 +230,8 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     rows = rows.to(device)
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
                                        rows.completion_ids.shape[1]).to(device)
-                    old = frozen_logps(backend, model, rows) if stale else None
-                    ref_logps = ref.token_logps(rows) if ref is not None else None
+                    old = frozen_logps(backend, model, rows, s.temperature) if stale else None
+                    ref_logps = ref.token_logps(rows, temperature=s.temperature) if ref is not None else None
                     micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref_logps, rollout))
                 # ---- train: num_iterations optimizer steps on this batch
                 loss_fn = make_grpo_loss_fn(s, normalizer)

@@ -110,7 +110,7 @@ def turn_reward_tensor(samples: list[Sample], width: int) -> torch.Tensor:
 
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
     def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
-        logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True)
+        logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True, temperature=s.temperature)
         values = prefix_values(model.value, b.rows)
         mask = b.rows.target_mask
         loss, metrics = ppo_loss(
@@ -137,7 +137,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)
-    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                              tempered_logprobs=True)  # the trained distribution: softmax(logits / T)
     group = GroupSpec(s.num_generations, sampling, cfg.seed, s.reward_timeout_s)
     rollout_engine = build_rollout_engine(  # this process's engine, or Ray rollout workers
         cfg, base_model, group=group,
@@ -195,9 +196,9 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                 mask = rows.target_mask
                 with torch.no_grad():
                     model.eval()
-                    old_logps = frozen_prefix_logps(policy, rows)
+                    old_logps = frozen_prefix_logps(policy, rows, temperature=s.temperature)
                     old_values = prefix_values(value, rows) * mask
-                    ref_logps = ref.token_logps(rows) if ref is not None else old_logps
+                    ref_logps = ref.token_logps(rows, temperature=s.temperature) if ref is not None else old_logps
                     model.train()
                     if any(x.turn_rewards for x in samples):
                         # Multi-turn: each turn's reward at that turn's last sampled token.

@@ -62,9 +62,11 @@ class Reference:
             self.model.train(was_training)
         return logps.float()
 
-    def token_logps(self, rows: PrefixBatch) -> Any:
-        """[B, Lc] reference log-probs of every completion token of `rows` (a model reference only)."""
-        return frozen_prefix_logps(self.model, rows, adapter_disabled=self.kind == "adapter")
+    def token_logps(self, rows: PrefixBatch, *, temperature: float = 1.0) -> Any:
+        """[B, Lc] reference log-probs of every completion token of `rows` (a model reference only),
+        under softmax(logits / temperature) like the policy's."""
+        return frozen_prefix_logps(self.model, rows, adapter_disabled=self.kind == "adapter",
+                                   temperature=temperature)
 
 
 def build_model_reference(

@@ -20,7 +20,8 @@ The decode loop is our own rather than `model.generate`, for two reasons:
 Rows are left-padded; position ids count each row's real tokens, so padding
 never shifts a row's positions and the cache of two batches can be merged by
 left-padding the shorter one. The log-prob of each sampled token is the
-log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32.
+log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32
+(of the logits divided by the row's temperature when it asks for `tempered_logprobs`).
 
 One module of ~600 lines on purpose: the engine, its decode session and the
 row / cache bookkeeping share private state (per-row generators, the merged
@@ -439,7 +440,7 @@ class HFSession:
         rows = self.rows[first:]
         sl = slice(first, None)
         with torch.inference_mode():
-            logprobs_all = logits.log_softmax(dim=-1)
+            logprobs_all = _logprob_logits(logits, rows).log_softmax(dim=-1)
             tokens = choose_tokens(
                 logits, self.temperature[sl], self.top_k[sl], self.top_p[sl], [r.generator for r in rows]
             )
@@ -589,6 +590,17 @@ class _BatchState:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+
+
+def _logprob_logits(logits: torch.Tensor, rows: Sequence[_Row]) -> torch.Tensor:
+    """`logits` divided, row by row, by the temperature of rows that ask for tempered log-probs."""
+    temps = [
+        r.job.params.temperature if r.job.params.tempered_logprobs and r.job.params.temperature > 0 else 1.0
+        for r in rows
+    ]
+    if all(t == 1.0 for t in temps):
+        return logits
+    return logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(-1)
 
 
 def _select_cache_rows(cache: Any, index: torch.Tensor) -> None:

@@ -11,7 +11,10 @@ on (the default) it asks for the exact token ids the way vLLM and `rollout
 serve` return them (`return_token_ids`, `return_tokens_as_token_ids`); turn it
 off for servers that reject unknown fields (api.openai.com). Log-probs are
 whatever the server returns: rollout's are the unfiltered temperature-1
-log-probs; vLLM's depend on its `logprobs_mode`.
+log-probs, or temperature-scaled ones when `SamplingParams.tempered_logprobs` asks
+(sent as rollout's `tempered_logprobs` extension); vLLM's depend on its
+`logprobs_mode` (start it with `--logprobs-mode processed_logprobs` to train at a
+temperature other than 1 with the importance-sampling correction).
 """
 
 from __future__ import annotations
@@ -144,6 +147,8 @@ class OpenAIEngine:
             extra["stop_token_ids"] = list(params.stop_token_ids)
         if params.ignore_eos:
             extra["ignore_eos"] = True
+        if params.tempered_logprobs and params.temperature not in (0.0, 1.0):
+            extra["tempered_logprobs"] = True  # rollout serve's extension (a vLLM server ignores it)
         if self.token_ids:
             extra.update(return_token_ids=True, return_tokens_as_token_ids=True)
         try:

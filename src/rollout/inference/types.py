@@ -75,6 +75,11 @@ class SamplingParams:
     """Also return the this-many most likely tokens (unfiltered, temperature-1) at every position."""
     ignore_eos: bool = False
     """Keep generating past eos (benchmarks, fixed-length sampling)."""
+    tempered_logprobs: bool = False
+    """Return log-probs (and top log-probs) of the temperature-scaled distribution,
+    log_softmax(logits / temperature), still before top-k/top-p: the distribution an RL
+    trainer samples from and trains (the importance ratio needs both at the same
+    temperature). False (the OpenAI/vLLM default): temperature 1. Greedy rows: temperature 1."""
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples so the dataclass stays hashable and frozen in spirit.

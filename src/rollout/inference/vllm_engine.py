@@ -104,6 +104,11 @@ class VLLMEngine:
         prompts, sampling = [], []
         for r in reqs:
             p = r.params or default
+            if p.tempered_logprobs and p.temperature not in (0.0, 1.0):
+                raise GenerationError(
+                    "vllm engine: tempered_logprobs at temperature != 1 is not available in-process (it"
+                    " returns raw_logprobs); sample at temperature 1, or use the hf engine or a served one"
+                )
             ids = r.prompt_token_ids if r.prompt_token_ids is not None else self.tokenize(r.prompt, r.tools)  # type: ignore[arg-type]
             prompts.append({"prompt_token_ids": list(ids)})
             sampling.append(

@@ -160,11 +160,14 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Pretrain
 
 
 def prefix_logps(
-    model: Any, batch: PrefixBatch, *, with_entropy: bool = False
+    model: Any, batch: PrefixBatch, *, with_entropy: bool = False, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, Lc] log p(completion token j | prompt, tokens < j) (0 off the mask) and, optionally, the
     per-token entropies [B, Lc] (detached). The LM head runs only at real completion tokens, unless
-    the model transforms its logits (soft-capping, scaling), when its own full forward is used."""
+    the model transforms its logits (soft-capping, scaling), when its own full forward is used.
+
+    `temperature`: the distribution is softmax(logits / temperature), the one RL samples from
+    (as TRL and verl train it), so that ratios and gradients are of the sampling policy."""
     sel = batch.completion_mask
     parts = decoder_and_head(model)
     if parts is not None:
@@ -173,6 +176,8 @@ def prefix_logps(
         logits = parts[1](hidden[sel]).float()
     else:
         logits = prefix_outputs(model, batch, "logits", unwrap_peft(model).config)[sel].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     picked = logp_all.gather(1, batch.completion_ids[sel].unsqueeze(1)).squeeze(1)
     logps = torch.zeros(sel.shape, dtype=picked.dtype, device=picked.device).masked_scatter(sel, picked)
@@ -183,7 +188,9 @@ def prefix_logps(
     return logps, entropy
 
 
-def frozen_prefix_logps(model: Any, batch: PrefixBatch, *, adapter_disabled: bool = False) -> torch.Tensor:
+def frozen_prefix_logps(
+    model: Any, batch: PrefixBatch, *, adapter_disabled: bool = False, temperature: float = 1.0
+) -> torch.Tensor:
     """`prefix_logps` without grad, in eval mode (the reference, or old log-probs)."""
     from contextlib import nullcontext
 
@@ -192,7 +199,7 @@ def frozen_prefix_logps(model: Any, batch: PrefixBatch, *, adapter_disabled: boo
     model.eval()
     try:
         with torch.no_grad(), guard:
-            return prefix_logps(model, batch)[0]
+            return prefix_logps(model, batch, temperature=temperature)[0]
     finally:
         model.train(was_training)
 

@@ -318,6 +318,7 @@ async def _prepare(
             seed=body.seed,
             top_logprobs=top_logprobs,
             ignore_eos=bool(body.ignore_eos),
+            tempered_logprobs=bool(body.tempered_logprobs),
         )
     except ConfigError as err:
         raise APIError(400, str(err)) from None

@@ -4,7 +4,9 @@ Bodies allow unknown fields (like OpenAI) but check the type and range of every
 field they know; fields we can't honour (tools, penalties, logit_bias, echo,
 suffix, images) are refused with 400 rather than silently ignored. vLLM's
 extensions `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` and
-`return_tokens_as_token_ids` are accepted.
+`return_tokens_as_token_ids` are accepted, and rollout's own `tempered_logprobs`
+(log-probs of the temperature-scaled distribution, what an RL trainer's importance
+ratio needs; see `SamplingParams.tempered_logprobs`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # rollout extension
+    tempered_logprobs: bool | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
