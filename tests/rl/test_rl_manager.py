@@ -97,7 +97,10 @@ def test_groups_ids_rewards_and_seeds(rl_engine) -> None:
             ]
         )
         assert [s.completion_token_ids for s in group] == [c.token_ids for c in expected]
-        assert [s.rollout_logprobs for s in group] == [c.logprobs for c in expected]
+        # log-probs: the same to float noise (a group batched with others may take another kernel path
+        # on some CPUs; exact equality needs [backend] batch_invariant)
+        for s, c in zip(group, expected, strict=True):
+            assert s.rollout_logprobs == pytest.approx(c.logprobs, abs=1e-5)
         for s in group:
             assert s.status == "ok" and s.drop_reason is None and s.policy_version == 7
             assert s.prompt == tuple(row["prompt"]) and s.metadata == {"answer": row["answer"]}
