@@ -71,7 +71,9 @@ def _assert_close(
     outside = 0
     for name in weights_a:
         assert weights_a[name].shape == weights_b[name].shape, name
-        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=atol, msg=name)
+        # every element within 5 x atol, and all but about one in 10,000 within 1e-5: on some CPUs a
+        # lone element lands at ~2e-5 after 4 steps (1.9e-5 seen, o_proj) while the losses agree to 1e-7
+        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=5 * atol, msg=name)
         outside += int(((weights_b[name] - weights_a[name]).abs() > 1e-5).sum())
     assert outside <= sum(w.numel() for w in weights_a.values()) // 10_000  # 1e-5 for all but a few
 
