@@ -165,22 +165,17 @@ def test_unknown_reward_or_env_fails_validate(field, value, message, workspace, 
 
 
 @pytest.mark.slow
-def test_grpo_example_raises_held_out_reward(workspace, tmp_path_factory):
+def test_grpo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_factory):
     """From a partly trained SFT model (greedy ~65-80%, sampled ~31-33%), the example's budget raises
     the mean reward of sampled completions on held-out prompts by >= GAIN absolute."""
     from rollout.algorithms.grpo import train_grpo
-    from rollout.algorithms.sft import train_sft
     from rollout.inference.hf_engine import load_hf_engine
     from rollout.inference.types import GenerationRequest, SamplingParams
     from rollout.tasks.arithmetic import is_correct
 
-    warm_dir = tmp_path_factory.mktemp("warmup")
-    warm = load_config(example_config("sft-warmup.toml", workspace, warm_dir,
-                                      {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'}))
-    train_sft(warm)
     rl_dir = tmp_path_factory.mktemp("grpo")
     cfg = load_config(example_config("grpo-tiny.toml", workspace, rl_dir, {
-        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/grpo-tiny"': f'"{rl_dir}/model"'}))
+        '"../local/models/sft-warmup"': f'"{sft_warmup}"', '"../local/models/grpo-tiny"': f'"{rl_dir}/model"'}))
     train_grpo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
@@ -193,7 +188,7 @@ def test_grpo_example_raises_held_out_reward(workspace, tmp_path_factory):
         m = sum(is_correct(x.text, r["answer"]) for c, r in zip(sampled, rows, strict=True) for x in c) / (8 * len(rows))
         return g, m
 
-    g0, m0 = held_out(warm_dir / "model")
+    g0, m0 = held_out(sft_warmup)
     g1, m1 = held_out(rl_dir / "model")
     print(f"GRPO held-out: greedy accuracy {g0:.3f} -> {g1:.3f}, sampled mean reward {m0:.3f} -> {m1:.3f}")
     assert g0 < 0.95 and m0 < 0.45  # the starting point is only partly trained

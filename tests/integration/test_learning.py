@@ -46,18 +46,14 @@ def test_sft_example_learns_arithmetic(workspace, sft_run):
     assert sum(losses[-20:]) / 20 < 0.2 * sum(losses[:20]) / 20  # loss falls by > 5x
 
 
-def test_rm_example_ranks_held_out_pairs(workspace, sft_run, tmp_path):
+def test_rm_example_ranks_held_out_pairs(workspace, rm_run):
     """The RM starts from the SFT model, as in the demo."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rollout.algorithms.rm import pair_accuracy, train_rm
+    from rollout.algorithms.rm import pair_accuracy
     from rollout.store import open_store
 
-    sft_export = sft_run[0].algorithm.settings.export.dir
-    cfg = load_config(example_config("rm-tiny.toml", workspace, tmp_path, {
-        '"../local/models/sft-tiny"': f'"{sft_export}"',
-    }))
-    result = train_rm(cfg)
+    cfg, result = rm_run
     export = cfg.algorithm.settings.export.dir
     model = AutoModelForSequenceClassification.from_pretrained(export)
     tok = AutoTokenizer.from_pretrained(export)

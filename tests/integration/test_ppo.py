@@ -111,20 +111,15 @@ def test_ppo_snapshot_exports_the_policy(workspace, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_example_raises_held_out_reward(workspace, tmp_path_factory):
+def test_ppo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_factory):
     from rollout.algorithms.ppo import train_ppo
-    from rollout.algorithms.sft import train_sft
     from rollout.inference.hf_engine import load_hf_engine
     from rollout.inference.types import GenerationRequest, SamplingParams
     from rollout.tasks.arithmetic import is_correct
 
-    warm_dir = tmp_path_factory.mktemp("warmup")
-    warm = load_config(example_config("sft-warmup.toml", workspace, warm_dir,
-                                      {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'}))
-    train_sft(warm)
     rl_dir = tmp_path_factory.mktemp("ppo")
     cfg = load_config(example_config("ppo-tiny.toml", workspace, rl_dir, {
-        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/ppo-tiny"': f'"{rl_dir}/model"'}))
+        '"../local/models/sft-warmup"': f'"{sft_warmup}"', '"../local/models/ppo-tiny"': f'"{rl_dir}/model"'}))
     train_ppo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
@@ -134,6 +129,6 @@ def test_ppo_example_raises_held_out_reward(workspace, tmp_path_factory):
                               SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
         return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
 
-    before, after = sampled_reward(warm_dir / "model"), sampled_reward(rl_dir / "model")
+    before, after = sampled_reward(sft_warmup), sampled_reward(rl_dir / "model")
     print(f"PPO held-out sampled mean reward {before:.3f} -> {after:.3f}")
     assert after >= before + RL_GAIN  # benchmarks/learning_grid.py: worst cell in the README

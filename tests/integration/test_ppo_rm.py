@@ -32,12 +32,9 @@ SMALL = {
 }
 CHAT = [{"role": "user", "content": "What is 3+4?"}]
 ROOT = Path(__file__).resolve().parents[2]
-# The RM PPO trains against is rm-tiny.toml's with reward centring (Eisenstein et al., 2023): without
-# it the RM keeps per-answer offsets (prior-like: "15" over "3" whatever the question) that PPO
-# exploits; centred, its best answer is the right one far more often (see the README).
-_CENTRING = "center_rewards_coefficient = 0.01"
-RM_CENTRED = {} if _CENTRING in (ROOT / "examples" / "rm-tiny.toml").read_text() else {
-    'head = "bradley_terry"\n': f'head = "bradley_terry"\n{_CENTRING}\n'}
+# The RM PPO trains against is rm-tiny.toml's, which centres its scores (Eisenstein et al., 2023):
+# without it the RM keeps per-answer offsets (prior-like: "15" over "3" whatever the question) that
+# PPO exploits; centred, its best answer is the right one far more often (see the README).
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +282,7 @@ def test_ppo_scores_with_a_served_rm_as_with_the_same_rm_in_process(workspace, t
 
 
 @pytest.mark.slow
-def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_run, tmp_path_factory):
+def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, rm_run, sft_warmup, tmp_path_factory):
     """SFT -> RM (from the SFT model) -> PPO from the warm-up SFT with the RM as its only training
     reward; the held-out sampled accuracy, judged by the verifiable checker, rises. Seeds 0/1/2 at one
     thread gained +0.301 / +0.234 / +0.206 on the VM it was tuned on; seed 0 gained +0.089
@@ -293,21 +290,15 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_
     import json
 
     from rollout.algorithms.ppo import train_ppo
-    from rollout.algorithms.rm import train_rm
-    from rollout.algorithms.sft import train_sft
     from rollout.inference.hf_engine import load_hf_engine
     from rollout.inference.types import GenerationRequest, SamplingParams
     from rollout.tasks.arithmetic import is_correct
 
-    rm_dir = tmp_path_factory.mktemp("rm")
-    train_rm(load_config(example_config("rm-tiny.toml", workspace, rm_dir, {
-        '"../local/models/sft-tiny"': f'"{sft_run[0].algorithm.settings.export.dir}"', **RM_CENTRED})))
-    warm_dir = tmp_path_factory.mktemp("warmup")
-    train_sft(load_config(example_config("sft-warmup.toml", workspace, warm_dir,
-                                         {'"../local/models/sft-warmup"': f'"{warm_dir}/model"'})))
+    assert "center_rewards_coefficient = 0.01" in (ROOT / "examples" / "rm-tiny.toml").read_text()
+    rm_export = rm_run[0].algorithm.settings.export.dir
     rl_dir = tmp_path_factory.mktemp("ppo-rm")
     cfg = load_config(example_config("ppo-rm-tiny.toml", workspace, rl_dir, {
-        '"../local/models/sft-warmup"': f'"{warm_dir}/model"', '"../local/models/rm-tiny"': f'"{rm_dir}/rm-export"',
+        '"../local/models/sft-warmup"': f'"{sft_warmup}"', '"../local/models/rm-tiny"': f'"{rm_export}"',
         '"../local/models/ppo-rm-tiny"': f'"{rl_dir}/model"'}))
     result = train_ppo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
@@ -318,7 +309,7 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, sft_
                               SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
         return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
 
-    before, after = sampled_accuracy(warm_dir / "model"), sampled_accuracy(rl_dir / "model")
+    before, after = sampled_accuracy(sft_warmup), sampled_accuracy(rl_dir / "model")
     print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
     assert after >= before + RM_GAIN
     store = open_store("embedded", path=cfg.storage.embedded.path)
