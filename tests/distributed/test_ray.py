@@ -189,7 +189,7 @@ def test_ray_grpo_weights_match_local(cluster, local_run, engine_invariant, prom
 
     cfg = load_config(_config(tmp_path, prompts_inputs, RAY))
     ray_run = _final(cfg, train_grpo(cfg).run_id)
-    _, metrics, events, _ = ray_run
+    metrics, events = ray_run.metrics, ray_run.events
     _assert_same_run(ray_run, local_run, invariant=engine_invariant)
     assert min(abs(v) for v in _values(local_run.metrics, "train/grad_norm")) > 0  # the weights moved every step
     groups = [sum(_values(metrics, f"rollout/worker/{w}/groups")) for w in (0, 1)]
@@ -206,7 +206,7 @@ def test_killed_worker_groups_rerun_elsewhere(cluster, local_run, engine_invaria
     cluster.write_text("kill")  # worker 1 ray.kills itself on its 2nd lease
     cfg = load_config(_config(tmp_path, prompts_inputs, RAY))
     ray_run = _final(cfg, train_grpo(cfg).run_id)
-    _, metrics, events, _ = ray_run
+    metrics, events = ray_run.metrics, ray_run.events
     assert not cluster.exists()
     [died] = [e for e in events if e.name == "rollout_worker_died"]
     assert died.fields["worker"] == 1 and died.fields["groups_requeued"] >= 1
@@ -226,7 +226,7 @@ def test_ray_ppo_weights_match_local(cluster, engine_invariant, prompts_inputs, 
     local_run = _final(local, train_ppo(local).run_id)
     cfg = load_config(_config(tmp_path / "ray", prompts_inputs, RAY, kind="ppo"))
     ray_run = _final(cfg, train_ppo(cfg).run_id)
-    _, metrics, events, _ = ray_run
+    metrics, events = ray_run.metrics, ray_run.events
     _assert_same_run(ray_run, local_run, invariant=engine_invariant)
     assert min(abs(v) for v in _values(local_run.metrics, "train/grad_norm")) > 0
     groups = [sum(_values(metrics, f"rollout/worker/{w}/groups")) for w in (0, 1)]
