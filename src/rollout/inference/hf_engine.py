@@ -57,6 +57,7 @@ from rollout.inference.types import (
     as_request,
     derive_seed,
 )
+from rollout.models.kv_cache import cache_kwarg, returned_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -427,13 +428,13 @@ class HFSession:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_kwarg(cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
             if extra:
-                _select_cache_rows(out.past_key_values, torch.arange(rows, device=ids.device))
-        return out.past_key_values, out.logits[:rows, -1, :].float()
+                _select_cache_rows(returned_cache(out), torch.arange(rows, device=ids.device))
+        return returned_cache(out), out.logits[:rows, -1, :].float()
 
     def _advance(self, logits: torch.Tensor, *, first: int) -> None:
         """Sample the next token of rows[first:] (whose logits these are), record it, retire finished rows."""

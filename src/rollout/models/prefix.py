@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
+from rollout.models.kv_cache import cache_kwarg, returned_cache
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -135,15 +136,15 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Pretrain
     """[B, Lc, ·]: `field` of `module`'s output at the position that predicts each completion token.
 
     `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits") that takes
-    `past_key_values`; `config` builds its cache."""
+    a key/value cache; `config` builds it."""
     from transformers import DynamicCache
 
     pmask = batch.prompt_mask.long()
     prompt_out = module(
         input_ids=batch.prompt_ids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0),
-        past_key_values=DynamicCache(config=config), use_cache=True,
+        **cache_kwarg(DynamicCache(config=config)), use_cache=True,
     )
-    cache = prompt_out.past_key_values
+    cache = returned_cache(prompt_out)
     if cache is None:
         raise RuntimeError("the model returned no key/value cache (is gradient checkpointing on?)")
     cache.reorder_cache(batch.owner)  # one copy of its prompt's keys/values per row
@@ -153,7 +154,7 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Pretrain
         input_ids=batch.completion_ids,
         attention_mask=torch.cat([pmask[batch.owner], batch.completion_mask.long()], dim=1),
         position_ids=lengths[:, None] + torch.arange(lc, device=lengths.device)[None, :],
-        past_key_values=cache, use_cache=True,
+        **cache_kwarg(cache), use_cache=True,
     )
     last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
     return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
