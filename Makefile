@@ -32,11 +32,13 @@ demo: install
 	$(ROLLOUT) model init-tiny local/models/tiny --force
 	$(ROLLOUT) data arithmetic local/data/arithmetic
 	$(ROLLOUT) data calculator local/data/calculator
+	$(ROLLOUT) data calculator local/data/calculator-cold --n-sft 2000 --direct-share 0.8
 	$(ROLLOUT) train sft --config examples/sft-tiny.toml
 	$(ROLLOUT) train rm --config examples/rm-tiny.toml
 	$(ROLLOUT) train sft --config examples/sft-warmup.toml
 	$(ROLLOUT) train grpo --config examples/grpo-tiny.toml
 	$(ROLLOUT) train sft --config examples/tools-sft-tiny.toml
+	$(ROLLOUT) train sft --config examples/tools-cold-sft-tiny.toml
 	$(ROLLOUT) train grpo --config examples/tools-grpo-tiny.toml
 	$(EVAL) $(ARITH) --temperature 0 --model local/models/tiny --name "arithmetic: tiny, untrained" >/dev/null
 	$(EVAL) $(ARITH) --temperature 0 --model local/models/sft-tiny --name "arithmetic: sft-tiny" >/dev/null
@@ -44,9 +46,11 @@ demo: install
 	$(EVAL) $(ARITH) --n 8 --model local/models/grpo-tiny --name "arithmetic: grpo-tiny" >/dev/null
 	$(EVAL) $(CALC) --model local/models/sft-tiny --name "calculator: sft-tiny (no tool traces)" >/dev/null
 	$(EVAL) $(CALC) --model local/models/tools-sft-tiny --name "calculator: tools-sft-tiny" >/dev/null
+	$(EVAL) $(CALC) --model local/models/tools-cold-sft-tiny --name "calculator: tools-cold-sft-tiny (grpo start)" >/dev/null
 	$(EVAL) $(CALC) --model local/models/tools-grpo-tiny --name "calculator: tools-grpo-tiny" >/dev/null
 	$(ROLLOUT) eval compare "arithmetic: sft-warmup (grpo start)" "arithmetic: grpo-tiny" --table --storage-path local/rollout.db
-	$(ROLLOUT) eval list --table --limit 7 --storage-path local/rollout.db
+	$(ROLLOUT) eval compare "calculator: tools-cold-sft-tiny (grpo start)" "calculator: tools-grpo-tiny" --table --storage-path local/rollout.db
+	$(ROLLOUT) eval list --table --limit 8 --storage-path local/rollout.db
 	@echo "rm:      held-out pair accuracy is eval/pair_accuracy of the rm run (printed above when it ended)"
 	@echo "runs:    $(ROLLOUT) runs list --storage-path local/rollout.db"
 	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/*)"

@@ -75,7 +75,7 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
 
 
 MULTI_TURN = {
-    '"../local/models/tools-sft-tiny"': '"../local/models/tiny"',
+    '"../local/models/tools-cold-sft-tiny"': '"../local/models/tiny"',
     '"../local/data/calculator/prompts.jsonl"': '"../local/data/arithmetic/prompts.jsonl"',
     'name = "calculator"': 'name = "rl_plugins:ThreeTurnEnv"',
     "minibatch_size = 8 ": "minibatch_size = 3 ",

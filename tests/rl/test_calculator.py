@@ -125,6 +125,30 @@ def test_sft_rows_are_valid_sft_lines(tmp_path: Path) -> None:
         assert check_line(row, "prompt") is None
 
 
+def test_direct_share_of_traces_answer_without_the_tool(tmp_path: Path) -> None:
+    """`direct_share` turns that share of the traces (at seeded places) into user -> final answer,
+    the tool still offered; the problems, the prompts and the eval split stay as they were."""
+    plain = write_calculator_data(tmp_path / "plain", n_sft=50, n_train=5, n_eval=5)
+    mixed = write_calculator_data(tmp_path / "mixed", n_sft=50, n_train=5, n_eval=5, direct_share=0.8)
+    again = write_calculator_data(tmp_path / "again", n_sft=50, n_train=5, n_eval=5, direct_share=0.8)
+    assert mixed["sft"].read_bytes() == again["sft"].read_bytes()
+    for name in ("prompts", "eval_prompts"):
+        assert mixed[name].read_bytes() == plain[name].read_bytes()
+    direct = 0
+    for p_row, m_row in zip(read(plain["sft"]), read(mixed["sft"]), strict=True):
+        assert m_row["tools"] == p_row["tools"] and m_row["messages"][0] == p_row["messages"][0]
+        if len(m_row["messages"]) == 2:
+            direct += 1
+            assert m_row["messages"][1] == {"role": "assistant", "content": p_row["messages"][3]["content"]}
+            assert check_line(m_row, "sft") is None
+        else:
+            assert m_row == p_row
+    assert direct == 40
+    assert len(read(write_calculator_data(tmp_path / "all", n_sft=7, n_train=1, n_eval=1, direct_share=1.0)["sft"])[0]["messages"]) == 2
+    with pytest.raises(ConfigError, match=r"direct_share must be in \[0, 1\], got 1.5"):
+        write_calculator_data(tmp_path / "bad", n_sft=2, n_train=2, n_eval=2, direct_share=1.5)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -259,6 +283,11 @@ def test_cli_data_calculator(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     first = read(tmp_path / "d4" / "eval_prompts.jsonl")[0]["prompt"][0]["content"]
     assert 1000 <= problem_of(first)[0] <= 9999
 
+    args = ["data", "calculator", str(tmp_path / "cold"), "--n-sft", "10", "--direct-share", "0.8", "--seed", "2"]
+    assert main(args) == 0
+    cold = write_calculator_data(tmp_path / "cold-direct", seed=2, n_sft=10, direct_share=0.8)
+    assert cold["sft"].read_bytes() == (tmp_path / "cold" / "sft.jsonl").read_bytes()
+
 
 @pytest.mark.parametrize(
     "args, message",
@@ -267,6 +296,7 @@ def test_cli_data_calculator(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--ops", "/"], "unknown op"),
         (["--left-digits", "0"], "digits must be in 1..30"),
         (["--n-train", "many"], "Invalid value for '--n-train'"),
+        (["--direct-share", "2"], "Invalid value for '--direct-share'"),
     ],
 )
 def test_cli_data_calculator_bad_input_exits_2(

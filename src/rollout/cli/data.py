@@ -75,6 +75,9 @@ def calculator(
     ops: str = typer.Option(
         "*", help='Operators to draw from, e.g. "*" or "+-*" (use --ops=-* if it starts with -).'
     ),
+    direct_share: float = typer.Option(
+        0.0, min=0.0, max=1.0, help="Share of SFT traces that answer without calling the tool (a start that seldom calls it)."
+    ),
 ) -> None:
     """Write the calculator tool-use task: sft.jsonl, prompts.jsonl and eval_prompts.jsonl."""
     from rollout.tasks.calculator import digits_range, write_calculator_data
@@ -88,6 +91,7 @@ def calculator(
         left=digits_range(left_digits),
         right=digits_range(right_digits),
         ops=parse_ops(ops),
+        direct_share=direct_share,
     )
     lines = {"sft": n_sft, "prompts": n_train, "eval_prompts": n_eval}
     for name, path in written.items():

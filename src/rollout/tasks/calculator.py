@@ -10,8 +10,9 @@ Files (JSON lines):
   {"expression": "123*45"}}</tool_call>`, the Hermes/Qwen format
   `rl.tools.parse_tool_calls` reads), the tool answers with what
   `rl.tools.calculator` returns, and the assistant ends with "The answer is
-  5535.". The rows carry no "tools" field: the SFT loader doesn't pass one to
-  the chat template.
+  5535.". Each row carries `"tools"` (the calculator's schema), which the
+  SFT loader passes to the chat template, as the env does at RL time. With
+  `--direct-share F` a share F of the traces answer at once without the call.
 - `prompts.jsonl` / `eval_prompts.jsonl`: `{"prompt": [user turn], "answer":
   "5535"}` rows for GRPO/PPO with the `calculator` env and for `rollout eval`.
 
@@ -41,8 +42,9 @@ DEFAULT_RIGHT = (10, 99)
 MAX_DIGITS = 30
 """Per operand, so every result stays far inside the calculator's 100-digit limit."""
 DEFAULT_N_SFT = 8000
-"""SFT traces by default: 3 epochs in the tools SFT example's 1500 steps. With 2000 (12 epochs)
-the model learned to copy the tool's result later, and at a step that varied more with the seed."""
+"""SFT traces by default: 10 epochs in the tools SFT example (batch 32 x 2500 steps). With 2000
+traces (and batch 16 x 1500) the model learned to copy the tool's result later, and at a step that
+varied more with the seed, than with 8000."""
 FINAL_ANSWER = "The answer is {answer}."
 _NUMBER = re.compile(r"(?<!\d)-?\d+(?:\.\d+)?")
 """A minus sign right after a digit is an operator ("5-3" holds 5 and 3), not a sign."""
@@ -111,6 +113,14 @@ def sft_trace(problem: Problem) -> list[dict[str, str]]:
         {"role": "assistant", "content": tool_call_text(expression)},
         {"role": "tool", "content": result},
         {"role": "assistant", "content": FINAL_ANSWER.format(answer=result)},
+    ]
+
+
+def direct_trace(problem: Problem) -> list[dict[str, str]]:
+    """user question -> assistant final answer, no tool call (the tool is offered, not used)."""
+    return [
+        {"role": "user", "content": problem.question},
+        {"role": "assistant", "content": FINAL_ANSWER.format(answer=problem.answer)},
     ]
 
 
@@ -186,6 +196,7 @@ def write_calculator_data(
     left: tuple[int, int] = DEFAULT_LEFT,
     right: tuple[int, int] = DEFAULT_RIGHT,
     ops: Sequence[str] = ("*",),
+    direct_share: float = 0.0,
 ) -> dict[str, Path]:
     """Write `sft.jsonl`, `prompts.jsonl` and `eval_prompts.jsonl`; return {name: path}.
 
@@ -193,7 +204,14 @@ def write_calculator_data(
     `f"{seed}:sft"` and RL ones from `f"{seed}:train"`; sft and train draws
     skip every eval problem. SFT traces come in equal shares per answer length
     (`balance_answer_lengths`); RL and eval prompts keep the natural mix.
+
+    `direct_share` of the sft traces (`round(direct_share * n_sft)`, at places drawn from
+    `f"{seed}:direct"`) answer at once without calling the tool (`direct_trace`; the tool is still
+    offered): SFT on them gives a model that can call and copy but seldom does, the start from which
+    GRPO has to learn that calling pays (examples/tools-cold-sft-tiny.toml).
     """
+    if not 0.0 <= direct_share <= 1.0:
+        raise ConfigError(f"direct_share must be in [0, 1], got {direct_share}")
     for name, count in (("n_sft", n_sft), ("n_train", n_train), ("n_eval", n_eval)):
         if count < 1:
             raise ConfigError(f"{name} must be >= 1, got {count}")
@@ -211,8 +229,13 @@ def write_calculator_data(
     )
     train_problems = draw_train_problems(random.Random(f"{seed}:train"), n_train, **ranges, exclude=held_out)
 
+    direct = set(random.Random(f"{seed}:direct").sample(range(n_sft), round(direct_share * n_sft)))
+    tools = [calculator_tool().openai_schema()]
     files = {
-        "sft": [{"messages": sft_trace(p), "tools": [calculator_tool().openai_schema()]} for p in sft_problems],
+        "sft": [
+            {"messages": direct_trace(p) if i in direct else sft_trace(p), "tools": tools}
+            for i, p in enumerate(sft_problems)
+        ],
         "prompts": [prompt_row(p) for p in train_problems],
         "eval_prompts": [prompt_row(p) for p in eval_problems],
     }
