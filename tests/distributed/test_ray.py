@@ -82,8 +82,9 @@ def _final(cfg, run_id) -> Final:
 def _assert_same_run(ray_run: Final, local: Final, *, invariant: bool, losses: bool = True) -> None:
     """Byte-identical weights and equal losses where this CPU's kernels give a group the same log-probs
     whichever groups share its batch (`engine_invariant`); elsewhere the same rewards (the tokens are
-    the same), losses to 1e-5 relative and weights to 5e-5 per element: the float noise of log-probs
-    that differ in the last bit between a batch of some groups and a batch of all of them."""
+    the same), losses to 1e-5 relative or 1e-6 absolute (an on-policy GRPO loss is a sum of
+    advantages that cancel: ~1e-7, all noise) and weights to 5e-5 per element: the float noise of
+    log-probs that differ in the last bit between a batch of some groups and a batch of all of them."""
     assert _values(ray_run.metrics, "rollout/reward_mean") == _values(local.metrics, "rollout/reward_mean")
     if invariant:
         assert ray_run.digest == local.digest
@@ -91,7 +92,7 @@ def _assert_same_run(ray_run: Final, local: Final, *, invariant: bool, losses: b
             assert _values(ray_run.metrics, "train/loss") == _values(local.metrics, "train/loss")
         return
     if losses:
-        assert _values(ray_run.metrics, "train/loss") == pytest.approx(_values(local.metrics, "train/loss"), rel=1e-5)
+        assert _values(ray_run.metrics, "train/loss") == pytest.approx(_values(local.metrics, "train/loss"), rel=1e-5, abs=1e-6)
     assert ray_run.weights.keys() == local.weights.keys()
     for name, tensor in local.weights.items():
         torch.testing.assert_close(ray_run.weights[name], tensor, rtol=0, atol=5e-5, msg=name)
