@@ -48,6 +48,20 @@ def example_config(name: str, workspace: Path, dest: Path, replace: dict[str, st
     return path
 
 
+def eval_metrics(capsys, env: str, model_dir: Path, data: Path, store_path: Path, *extra: str) -> dict[str, float]:
+    """`rollout eval --env ENV` of a model folder on `data` (1 thread, `--json`): its metrics."""
+    from rollout.cli.main import main
+
+    args = ["eval", "--env", env, "--data", str(data), "--model", str(model_dir), "--json",
+            "--storage-path", str(store_path), "--threads", "1", *extra]  # fmt: skip
+    capsys.readouterr()
+    try:
+        main(args)
+    except SystemExit as exit_:
+        assert not exit_.code, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)["metrics"]
+
+
 @pytest.fixture(scope="session")
 def shared_root(tmp_path_factory, request) -> Path:
     """A folder every xdist worker of this test session sees (the workers' base temp's parent)."""

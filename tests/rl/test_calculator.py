@@ -58,7 +58,7 @@ def test_files_are_deterministic_and_seeded(tmp_path: Path) -> None:
     assert [len(read(a[n])) for n in ("sft", "prompts", "eval_prompts")] == [40, 60, 30]
 
 
-def test_default_problems_are_3_by_2_digit_products_and_eval_is_held_out(tmp_path: Path) -> None:
+def test_default_problems_are_3_by_2_digit_products_of_5_digits_and_eval_is_held_out(tmp_path: Path) -> None:
     files = write_calculator_data(tmp_path, seed=0, n_sft=300, n_train=300, n_eval=100)
     eval_rows, train_rows = read(files["eval_prompts"]), read(files["prompts"])
     sft_questions = [row["messages"][0]["content"] for row in read(files["sft"])]
@@ -69,13 +69,13 @@ def test_default_problems_are_3_by_2_digit_products_and_eval_is_held_out(tmp_pat
     assert not others & set(eval_problems)
     for row in eval_rows + train_rows:
         left, _, right = problem_of(row["prompt"][0]["content"])
-        assert 100 <= left <= 999 and 10 <= right <= 99
-        assert row["answer"] == str(left * right)
+        assert 200 <= left <= 999 and 50 <= right <= 99
+        assert row["answer"] == str(left * right) and len(row["answer"]) == 5
         assert row["prompt"] == [{"role": "user", "content": f"What is {left}*{right}?"}]
 
 
 def test_sft_traces_come_in_equal_shares_per_answer_length(tmp_path: Path) -> None:
-    files = write_calculator_data(tmp_path, seed=0, n_sft=400, n_train=400, n_eval=100)
+    files = write_calculator_data(tmp_path, seed=0, n_sft=400, n_train=400, n_eval=100, left=(100, 999), right=(10, 99))
     sft_lengths = [len(row["messages"][2]["content"]) for row in read(files["sft"])]
     assert sft_lengths.count(4) == sft_lengths.count(5) == 200  # products 100..999 x 10..99: 4 or 5 digits
     rl_lengths = [len(row["answer"]) for row in read(files["prompts"])]
@@ -283,6 +283,14 @@ def test_cli_data_calculator(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     first = read(tmp_path / "d4" / "eval_prompts.jsonl")[0]["prompt"][0]["content"]
     assert 1000 <= problem_of(first)[0] <= 9999
 
+    args = ["data", "calculator", str(tmp_path / "r"), "--left", "100-999", "--right", "10-99", "--n-sft", "6"]
+    assert main(args) == 0
+    ranged = write_calculator_data(tmp_path / "r-direct", n_sft=6, left=(100, 999), right=(10, 99))
+    for name in ("sft", "prompts", "eval_prompts"):
+        assert ranged[name].read_bytes() == (tmp_path / "r" / f"{name}.jsonl").read_bytes()
+    assert main(["data", "calculator", str(tmp_path / "one"), "--left", "7", "--right", "3-9", "--n-eval", "2"]) == 0
+    assert {problem_of(r["prompt"][0]["content"])[0] for r in read(tmp_path / "one" / "prompts.jsonl")} == {7}
+
     args = ["data", "calculator", str(tmp_path / "cold"), "--n-sft", "10", "--direct-share", "0.8", "--seed", "2"]
     assert main(args) == 0
     cold = write_calculator_data(tmp_path / "cold-direct", seed=2, n_sft=10, direct_share=0.8)
@@ -295,6 +303,11 @@ def test_cli_data_calculator(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--n-eval", "0"], "n_eval must be >= 1"),
         (["--ops", "/"], "unknown op"),
         (["--left-digits", "0"], "digits must be in 1..30"),
+        (["--left", "5-3"], "left operand range is empty: 5..3"),
+        (["--right", "ten-20"], "operand range must be LOW-HIGH"),
+        (["--left", "-5-9"], "operand range must be LOW-HIGH"),
+        (["--left", "1" * 31], "at most 30 digits per operand"),
+        (["--left", "100-999", "--left-digits", "3"], "give --left or --left-digits, not both"),
         (["--n-train", "many"], "Invalid value for '--n-train'"),
         (["--direct-share", "2"], "Invalid value for '--direct-share'"),
     ],

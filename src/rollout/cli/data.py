@@ -6,6 +6,7 @@ Examples:
     rollout data arithmetic ./data/arith3 --ops "+-*" --max-operand 20 --num-train 8000 --seed 1
     rollout data calculator ./data/calc
     rollout data calculator ./data/calc4 --left-digits 4 --n-sft 500 --seed 1
+    rollout data calculator ./data/calc45 --left 100-999 --right 10-99
     rollout data guess-number ./data/guess
     rollout data guess-number ./data/guess64 --n 64 --train 4000 --test 200 --seed 1
 """
@@ -70,8 +71,12 @@ def calculator(
     n_sft: int = typer.Option(8000, help="SFT traces (tool call, tool result, final answer) in sft.jsonl (tasks.calculator.DEFAULT_N_SFT)."),
     n_train: int = typer.Option(4000, help="RL prompts in prompts.jsonl."),
     n_eval: int = typer.Option(200, help="Distinct eval prompts in eval_prompts.jsonl (in no other file)."),
-    left_digits: int = typer.Option(3, help="Digits of the left operand."),
-    right_digits: int = typer.Option(2, help="Digits of the right operand."),
+    left: str | None = typer.Option(
+        None, help="Left operands LOW-HIGH; default 200-999 (with the default right, every product has 5 digits)."
+    ),
+    right: str | None = typer.Option(None, help="Right operands LOW-HIGH; default 50-99."),
+    left_digits: int | None = typer.Option(None, help="Left operands of exactly this many digits (instead of --left)."),
+    right_digits: int | None = typer.Option(None, help="Right operands of exactly this many digits (instead of --right)."),
     ops: str = typer.Option(
         "*", help='Operators to draw from, e.g. "*" or "+-*" (use --ops=-* if it starts with -).'
     ),
@@ -80,7 +85,7 @@ def calculator(
     ),
 ) -> None:
     """Write the calculator tool-use task: sft.jsonl, prompts.jsonl and eval_prompts.jsonl."""
-    from rollout.tasks.calculator import digits_range, write_calculator_data
+    from rollout.tasks.calculator import DEFAULT_LEFT, DEFAULT_RIGHT, resolve_operands, write_calculator_data
 
     written = write_calculator_data(
         out_dir,
@@ -88,8 +93,8 @@ def calculator(
         n_sft=n_sft,
         n_train=n_train,
         n_eval=n_eval,
-        left=digits_range(left_digits),
-        right=digits_range(right_digits),
+        left=resolve_operands(left, left_digits, DEFAULT_LEFT, "left"),
+        right=resolve_operands(right, right_digits, DEFAULT_RIGHT, "right"),
         ops=parse_ops(ops),
         direct_share=direct_share,
     )

@@ -2,6 +2,7 @@
 
     rollout data calculator ./data/calc --n-sft 8000      # 8000 sft traces, 4000 RL prompts, 200 eval prompts
     rollout data calculator ./data/calc2 --left-digits 4 --seed 1
+    rollout data calculator ./data/calc3 --left 100-999 --right 10-99   # 4- and 5-digit products
 
 Files (JSON lines):
 
@@ -17,7 +18,8 @@ Files (JSON lines):
   "5535"}` rows for GRPO/PPO with the `calculator` env and for `rollout eval`.
 
 Problems are `left op right` with left and right drawn uniformly from their
-ranges (3-digit × 2-digit multiplication by default). Eval problems come from
+ranges: by default 3-digit × 2-digit multiplication whose product always has
+5 digits (200..999 × 50..99, `DEFAULT_LEFT` / `DEFAULT_RIGHT`). Eval problems come from
 their own RNG stream and are distinct; sft and train problems never equal an
 eval problem. Same arguments, same bytes.
 """
@@ -37,14 +39,18 @@ from rollout.rl.tools import Tool, tool_from_function
 from rollout.tasks.arithmetic import OPS, Problem, write_jsonl
 
 TOOL_NAME = "calculator"
-DEFAULT_LEFT = (100, 999)
-DEFAULT_RIGHT = (10, 99)
+DEFAULT_LEFT = (200, 999)
+DEFAULT_RIGHT = (50, 99)
+"""3-digit x 2-digit products, all of 5 digits (10000..98901). With a single result length the final
+answer's digits stand at a fixed distance from the tool result's, and the tiny model learned to copy
+them in 200-480 steps at batch 16 on 7 of 8 runs (seeds, thread counts, CPU kernels; the slowest
+~750; examples/tools-sft-tiny.toml). With 4- and 5-digit results (100..999 x 10..99) the copy
+depends on the content; it took 500 to 2000+ steps at batch 32 depending on the seed, the thread
+count and the CPU's kernels, and a competing shortcut could hold it off for good."""
 MAX_DIGITS = 30
 """Per operand, so every result stays far inside the calculator's 100-digit limit."""
 DEFAULT_N_SFT = 8000
-"""SFT traces by default: 10 epochs in the tools SFT example (batch 32 x 2500 steps). With 2000
-traces (and batch 16 x 1500) the model learned to copy the tool's result later, and at a step that
-varied more with the seed, than with 8000."""
+"""SFT traces by default: 1.6 epochs in the tools SFT example (batch 16 x 800 steps)."""
 FINAL_ANSWER = "The answer is {answer}."
 _NUMBER = re.compile(r"(?<!\d)-?\d+(?:\.\d+)?")
 """A minus sign right after a digit is an operator ("5-3" holds 5 and 3), not a sign."""
@@ -60,6 +66,29 @@ def digits_range(digits: int) -> tuple[int, int]:
     if not 1 <= digits <= MAX_DIGITS:
         raise ConfigError(f"operand digits must be in 1..{MAX_DIGITS}, got {digits}")
     return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+
+def operand_range(text: str) -> tuple[int, int]:
+    """`"200-999"` -> (200, 999); a single number `"7"` -> (7, 7). `ConfigError` for anything else."""
+    low, sep, high = text.strip().partition("-")
+    try:
+        bounds = (int(low), int(high if sep else low))
+    except ValueError:
+        raise ConfigError(f"operand range must be LOW-HIGH with whole numbers >= 0, e.g. 200-999; got {text!r}") from None
+    if any(len(str(bound)) > MAX_DIGITS for bound in bounds):
+        raise ConfigError(f"operand range {text!r}: at most {MAX_DIGITS} digits per operand")
+    return bounds
+
+
+def resolve_operands(range_text: str | None, digits: int | None, default: tuple[int, int], name: str) -> tuple[int, int]:
+    """The operand range from `--<name> LOW-HIGH` or `--<name>-digits D` (not both), else `default`."""
+    if range_text is not None and digits is not None:
+        raise ConfigError(f"give --{name} or --{name}-digits, not both")
+    if range_text is not None:
+        return operand_range(range_text)
+    if digits is not None:
+        return digits_range(digits)
+    return default
 
 
 def validate_calculator_args(
