@@ -82,8 +82,8 @@ MULTI_TURN = {
     "num_generations = 8": "num_generations = 4",
     "max_tokens = 40 ": "max_tokens = 4 ",
     "max_episode_tokens = 192": "max_episode_tokens = 64",
-    "max_steps = 20": f"max_steps = {N}",
-    "every_steps = 10": f"every_steps = {N // 2}",
+    "max_steps = 10": f"max_steps = {N}",
+    "every_steps = 5": f"every_steps = {N // 2}",
     "dynamic_sampling = true": "dynamic_sampling = false",
     "lr = 2e-4": "lr = 1e-3",
 }

@@ -43,14 +43,14 @@ DEFAULT_LEFT = (200, 999)
 DEFAULT_RIGHT = (50, 99)
 """3-digit x 2-digit products, all of 5 digits (10000..98901). With a single result length the final
 answer's digits stand at a fixed distance from the tool result's, and the tiny model learned to copy
-them in 200-480 steps at batch 16 on 7 of 8 runs (seeds, thread counts, CPU kernels; the slowest
-~750; examples/tools-sft-tiny.toml). With 4- and 5-digit results (100..999 x 10..99) the copy
-depends on the content; it took 500 to 2000+ steps at batch 32 depending on the seed, the thread
-count and the CPU's kernels, and a competing shortcut could hold it off for good."""
+them by step ~400 at batch 32 on every seed and float path measured (examples/tools-sft-tiny.toml).
+With 4- and 5-digit results (100..999 x 10..99) the copy depends on the content; it took 500 to
+2000+ steps at batch 32 depending on the seed, the thread count and the CPU's kernels, and a
+competing shortcut could hold it off for good."""
 MAX_DIGITS = 30
 """Per operand, so every result stays far inside the calculator's 100-digit limit."""
 DEFAULT_N_SFT = 8000
-"""SFT traces by default: 1.6 epochs in the tools SFT example (batch 16 x 800 steps)."""
+"""SFT traces by default: 3.2 epochs in the tools SFT example (batch 32 x 800 steps)."""
 FINAL_ANSWER = "The answer is {answer}."
 _NUMBER = re.compile(r"(?<!\d)-?\d+(?:\.\d+)?")
 """A minus sign right after a digit is an operator ("5-3" holds 5 and 3), not a sign."""
