@@ -252,8 +252,10 @@ def test_a_failed_upload_never_commits_its_row(s3_bucket, tmp_path):
     remote = s3_store(s3_bucket)
     inject(remote, "PutObject", FaultInjector(100, status=403, body=DENIED))  # not transient: no retry
     objects = WriteBehindObjectStore(remote, tmp_path / "staging")
-    commit_snapshot(store, objects, run_id=run.id, kind="train_state", step=1, blobs=snapshot_blobs("a"))
+    # The first failed upload stops the queue; it surfaces at the next put (a later blob of this
+    # snapshot, if the uploader thread got there first) or at the flush, whichever comes first.
     with pytest.raises(StorageError, match="AccessDenied"):
+        commit_snapshot(store, objects, run_id=run.id, kind="train_state", step=1, blobs=snapshot_blobs("a"))
         objects.flush()
     with pytest.raises(StorageError, match="AccessDenied"):  # the queue stopped: later puts fail fast
         objects.put_bytes(b"more")
