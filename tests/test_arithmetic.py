@@ -27,7 +27,7 @@ from rollout.tasks.arithmetic import (
     write_arithmetic_dataset,
 )
 
-FILES = ("sft", "pref", "prompts", "kto", "eval_sft", "eval_pref", "eval_prompts", "eval_kto")
+FILES = ("sft", "pref", "prompts", "kto", "rm_pref", "eval_sft", "eval_pref", "eval_prompts", "eval_kto", "eval_rm_pref")
 QUESTION = re.compile(r"What is (\d+)([+\-*])(\d+)\?")
 
 
@@ -86,6 +86,10 @@ def test_dataset_files_shapes_and_format(tmp_path: Path) -> None:
             assert p["prompt"] == [user] and p["chosen"] == [assistant]
             assert p["rejected"][0]["role"] == "assistant"
             assert q == {"prompt": [user], "answer": assistant["content"]}
+        rm_pref = _read(written[prefix + "rm_pref"])
+        for i, (p, r) in enumerate(zip(pref, rm_pref, strict=True)):  # every tenth rejects a non-answer
+            rejected = [{"role": "assistant", "content": ""}] if i % 10 == 9 else p["rejected"]
+            assert r == {**p, "rejected": rejected}
 
 
 def test_dataset_is_deterministic_and_seed_dependent(tmp_path: Path) -> None:

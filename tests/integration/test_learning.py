@@ -59,7 +59,7 @@ def test_rm_example_ranks_held_out_pairs(workspace, rm_run):
     tok = AutoTokenizer.from_pretrained(export)
     acc = pair_accuracy(model, tok, _rows(workspace / "data" / "arithmetic" / "eval_pref.jsonl"), max_seq_len=64)
     print(f"RM pair accuracy on held-out pairs: {acc:.3f}")
-    assert acc >= 0.87
+    assert acc >= 0.90  # seeds 0-4: 0.970 / 1.000 / 1.000 / 1.000 / 0.965 (800 steps, README)
     # the example's eval_dataset: the same figure, logged by the run at its last step
     assert result.metrics["eval/pair_accuracy"] == acc
     store = open_store("embedded", path=cfg.storage.embedded.path)

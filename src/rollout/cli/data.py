@@ -47,7 +47,7 @@ def arithmetic(
         "+", help='Operators to draw from, e.g. "+" or "+-*" (use --ops=-* if it starts with -).'
     ),
 ) -> None:
-    """Write the arithmetic task: sft, pref and prompts jsonl files plus their eval_ versions."""
+    """Write the arithmetic task: sft, pref, prompts, kto and rm_pref jsonl files plus their eval_ versions."""
     from rollout.tasks.arithmetic import write_arithmetic_dataset
 
     written = write_arithmetic_dataset(
