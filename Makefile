@@ -28,13 +28,14 @@ EVAL := $(ROLLOUT) eval --storage-path local/rollout.db --object-path local/obje
 ARITH := --env arithmetic --data local/data/arithmetic/eval_prompts.jsonl --max-tokens 6
 CALC := --env calculator --data local/data/calculator/eval_prompts.jsonl --max-turns 3 --max-tokens 48 --temperature 0
 
-# The data files and the evals run two at a time (`& p=$$!` ... `wait $$p`: the demo fails if either
-# fails): each is mostly process start-up, single-threaded. Training stays one job at a time, at
-# the default 2 threads: two 1-thread training lanes side by side took longer (tools SFT 302 s
-# instead of 173 s beside the RM) and changed the float path the demo's figures were measured on.
+# The data files and the evals run two at a time (`A & p=$$!; B; $(BOTH_DONE)`: the demo fails if
+# either fails): each is mostly process start-up, single-threaded. Training stays one job at a
+# time, at the default 2 threads: two 1-thread training lanes side by side took longer (tools SFT
+# 302 s instead of 173 s beside the RM) and changed the float path the demo's figures came from.
+BOTH_DONE := s=$$?; wait $$p && exit $$s
 demo: install
-	$(ROLLOUT) model init-tiny local/models/tiny --force & p=$$!; $(ROLLOUT) data arithmetic local/data/arithmetic; s=$$?; wait $$p && exit $$s
-	$(ROLLOUT) data calculator local/data/calculator & p=$$!; $(ROLLOUT) data calculator local/data/calculator-cold --n-sft 2000 --direct-share 0.8; s=$$?; wait $$p && exit $$s
+	$(ROLLOUT) model init-tiny local/models/tiny --force & p=$$!; $(ROLLOUT) data arithmetic local/data/arithmetic; $(BOTH_DONE)
+	$(ROLLOUT) data calculator local/data/calculator & p=$$!; $(ROLLOUT) data calculator local/data/calculator-cold --n-sft 2000 --direct-share 0.8; $(BOTH_DONE)
 	$(ROLLOUT) train sft --config examples/sft-tiny.toml
 	$(ROLLOUT) train rm --config examples/rm-tiny.toml
 	$(ROLLOUT) train sft --config examples/sft-warmup.toml
@@ -43,13 +44,13 @@ demo: install
 	$(ROLLOUT) train sft --config examples/tools-cold-sft-tiny.toml
 	$(ROLLOUT) train grpo --config examples/tools-grpo-tiny.toml
 	$(EVAL) $(ARITH) --temperature 0 --model local/models/tiny --name "arithmetic: tiny, untrained" >/dev/null & p=$$!; \
-	$(EVAL) $(ARITH) --temperature 0 --model local/models/sft-tiny --name "arithmetic: sft-tiny" >/dev/null; s=$$?; wait $$p && exit $$s
+	$(EVAL) $(ARITH) --temperature 0 --model local/models/sft-tiny --name "arithmetic: sft-tiny" >/dev/null; $(BOTH_DONE)
 	$(EVAL) $(ARITH) --n 8 --model local/models/sft-warmup --name "arithmetic: sft-warmup (grpo start)" >/dev/null & p=$$!; \
-	$(EVAL) $(ARITH) --n 8 --model local/models/grpo-tiny --name "arithmetic: grpo-tiny" >/dev/null; s=$$?; wait $$p && exit $$s
+	$(EVAL) $(ARITH) --n 8 --model local/models/grpo-tiny --name "arithmetic: grpo-tiny" >/dev/null; $(BOTH_DONE)
 	$(EVAL) $(CALC) --model local/models/sft-tiny --name "calculator: sft-tiny (no tool traces)" >/dev/null & p=$$!; \
-	$(EVAL) $(CALC) --model local/models/tools-sft-tiny --name "calculator: tools-sft-tiny" >/dev/null; s=$$?; wait $$p && exit $$s
+	$(EVAL) $(CALC) --model local/models/tools-sft-tiny --name "calculator: tools-sft-tiny" >/dev/null; $(BOTH_DONE)
 	$(EVAL) $(CALC) --model local/models/tools-cold-sft-tiny --name "calculator: tools-cold-sft-tiny (grpo start)" >/dev/null & p=$$!; \
-	$(EVAL) $(CALC) --model local/models/tools-grpo-tiny --name "calculator: tools-grpo-tiny" >/dev/null; s=$$?; wait $$p && exit $$s
+	$(EVAL) $(CALC) --model local/models/tools-grpo-tiny --name "calculator: tools-grpo-tiny" >/dev/null; $(BOTH_DONE)
 	$(ROLLOUT) eval compare "arithmetic: sft-warmup (grpo start)" "arithmetic: grpo-tiny" --table --storage-path local/rollout.db
 	$(ROLLOUT) eval compare "calculator: tools-cold-sft-tiny (grpo start)" "calculator: tools-grpo-tiny" --table --storage-path local/rollout.db
 	$(ROLLOUT) eval list --table --limit 8 --storage-path local/rollout.db
