@@ -24,14 +24,16 @@ install-bench: install
 
 # The report is `rollout eval`: every eval is stored (rollout eval list/show/compare) and the
 # last two commands print the GRPO gain on the arithmetic set and one table of every eval.
-EVAL := $(ROLLOUT) eval --storage-path local/rollout.db --object-path local/object-store --seed 0
+EVAL := OMP_NUM_THREADS=1 $(ROLLOUT) eval --storage-path local/rollout.db --object-path local/object-store --seed 0
 ARITH := --env arithmetic --data local/data/arithmetic/eval_prompts.jsonl --max-tokens 6
 CALC := --env calculator --data local/data/calculator/eval_prompts.jsonl --max-turns 3 --max-tokens 48 --temperature 0
 
 # The data files and the evals run two at a time (`A & p=$$!; B; $(BOTH_DONE)`: the demo fails if
-# either fails): each is mostly process start-up, single-threaded. Training stays one job at a
-# time, at the default 2 threads: two 1-thread training lanes side by side took longer (tools SFT
-# 302 s instead of 173 s beside the RM) and changed the float path the demo's figures came from.
+# either fails), each eval at one torch thread: two 2-thread processes on 2 cores spin against
+# each other (an eval took 15 s beside another instead of 4 s alone; 5.4 s for a 1-thread pair).
+# Training stays one job at a time, at the default 2 threads: two 1-thread training lanes side by
+# side took longer (tools SFT 302 s instead of 173 s beside the RM) and changed the float path the
+# demo's figures came from.
 BOTH_DONE := s=$$?; wait $$p && exit $$s
 demo: install
 	$(ROLLOUT) model init-tiny local/models/tiny --force & p=$$!; $(ROLLOUT) data arithmetic local/data/arithmetic; $(BOTH_DONE)

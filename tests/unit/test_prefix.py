@@ -149,3 +149,38 @@ def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
     assert torch.allclose(got, want, atol=1e-5) and counts.tolist() == want_counts.tolist()
     # a pair whose two sides disagree on the prompt tokens cannot share it
     assert collate_shared_pairs([TokenizedPair((1, 2, 3), (1, 4, 3), 2, 2)], PAD) is None
+
+
+def test_reward_scores_of_shared_prompts_equal_the_full_rows():
+    """The RM scores the last real token of each side: with each prompt run once the scores and
+    their gradients equal the full rows', an empty side (prompt only) included."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from rollout.algorithms.rm import collate_pair_batch, score_sequences
+    from rollout.data.tokenize import TokenizedPair
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, num_labels=1, pad_token_id=PAD)
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(config)
+    pairs = [
+        TokenizedPair((5, 17, 9, 30, 4, 8), (5, 17, 9, 30, 77), 3, 3),
+        TokenizedPair((40, 2, 61, 99, 3, 12, 101, 7), (40, 2, 61, 99), 4, 4),  # rejected: nothing after the prompt
+        TokenizedPair((11, 50), (11, 51, 52, 53), 1, 1),
+    ]
+    batch = collate_pair_batch(pairs, [0.0] * 3, PAD)
+    assert batch.shared is not None and batch.shared.num_tokens < int(batch.tokens.attention_mask.sum())
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    grads = []
+    for shared in (batch.shared, None):
+        rm.zero_grad()
+        scores = score_sequences(rm, batch.tokens, shared)
+        (scores * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in rm.named_parameters()})
+        if shared is not None:
+            got = scores.detach()
+    alone = [rm(input_ids=torch.tensor([ids])).logits[0, 0].item()
+             for ids in [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]]
+    assert got.tolist() == pytest.approx(alone, abs=1e-5)
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name

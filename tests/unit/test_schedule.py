@@ -44,3 +44,26 @@ def test_param_groups_keep_their_own_peak_lr_under_one_schedule():
         opt.step()
         sched.step()
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-4, 3e-4])
+
+
+def test_adamw_is_fused_for_plain_float_parameters_and_matches_the_reference_update():
+    """One fused kernel per parameter (the fast path on CPU); the update is AdamW's, to float
+    rounding: the same parameters as torch's single-tensor reference implementation after 20 steps."""
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    opt = make_optimizer(a, kind="adamw", lr=1e-2, weight_decay=0.1)
+    assert opt.defaults["fused"] is True
+    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(20):
+        grads = [torch.randn_like(x) for x in a]
+        for x, y, g in zip(a, b, grads, strict=True):
+            x.grad, y.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+    groups = make_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 1e-4}], kind="adamw", lr=1e-3)
+    assert groups.defaults["fused"] is True
+    # no fused kernel on other devices (and for sharded parameters): the foreach path
+    assert make_optimizer([torch.nn.Parameter(torch.zeros(2, device="meta"))], kind="adamw", lr=1e-3).defaults["foreach"]

@@ -5,7 +5,10 @@
 A 1-logit head (`AutoModelForSequenceClassification`, so exports load in
 transformers unchanged) scores the hidden state of the last non-pad token of
 prompt+chosen and prompt+rejected; both halves of a micro-batch run in one
-forward pass. Loss and metrics: `rollout.losses.rm.bradley_terry_loss`.
+forward pass, each prompt once when the two sides share its tokens (its keys/values
+gathered to both rows, `rollout.models.prefix`: the same scores up to float
+rounding, ~40% fewer tokens on short answers). Loss and metrics:
+`rollout.losses.rm.bradley_terry_loss`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.rm import bradley_terry_loss
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
+from rollout.models.prefix import PrefixBatch, collate_shared_pairs, prefix_last_hidden
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
@@ -51,6 +55,7 @@ class PairBatch:
     tokens: Any  # TokenBatch: rows 0..n-1 chosen, n..2n-1 rejected
     num_pairs: int
     margins: Any  # [n] float tensor: per-line margins (0 where absent)
+    shared: PrefixBatch | None = None  # the same rows with each prompt once, when the pairs allow it
 
 
 def train_rm(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
@@ -59,18 +64,23 @@ def train_rm(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
         return asyncio.run(_train(ctx, s))
 
 
-def score_sequences(model: Any, tokens: Any) -> Any:
-    """Scalar reward per row from the hidden state of its last non-pad token. [B]"""
+def score_sequences(model: Any, tokens: Any, shared: PrefixBatch | None = None) -> Any:
+    """Scalar reward per row from the hidden state of its last non-pad token. [B]
+
+    With `shared` (the same rows as a `PrefixBatch`), each distinct prompt runs once."""
     base = hf_model(model)
-    hidden = base.base_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
-    last = tokens.attention_mask.sum(dim=1) - 1
-    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    if shared is not None:
+        pooled = prefix_last_hidden(base.base_model, shared, base.config)
+    else:
+        hidden = base.base_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
+        last = tokens.attention_mask.sum(dim=1) - 1
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return base.score(pooled).squeeze(-1).float()
 
 
 def make_rm_loss_fn(normalizer: float, *, margin: float, center_coefficient: float | None) -> Any:
     def loss_fn(model: Any, batch: PairBatch) -> tuple[Any, dict[str, float]]:
-        rewards = score_sequences(model, batch.tokens)
+        rewards = score_sequences(model, batch.tokens, batch.shared)
         n = batch.num_pairs
         return bradley_terry_loss(
             rewards[:n], rewards[n:], normalizer=normalizer,
@@ -82,7 +92,8 @@ def make_rm_loss_fn(normalizer: float, *, margin: float, center_coefficient: flo
 
 def collate_pair_batch(pairs: Sequence[Any], margins: Sequence[float], pad_id: int) -> PairBatch:
     tokens, n = collate_pairs(pairs, pad_id)
-    return PairBatch(tokens=tokens, num_pairs=n, margins=torch.tensor(list(margins), dtype=torch.float32))
+    return PairBatch(tokens=tokens, num_pairs=n, margins=torch.tensor(list(margins), dtype=torch.float32),
+                     shared=collate_shared_pairs(pairs, pad_id))
 
 
 def pair_accuracy(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_len: int, batch_size: int = 64) -> float:
@@ -96,7 +107,7 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_le
             chunk = pairs[i : i + batch_size]
             batch = collate_pair_batch(chunk, [0.0] * len(chunk), tokenizer.pad_token_id)
             device = next(model.parameters()).device
-            rewards = score_sequences(model, move_to(batch.tokens, device))
+            rewards = score_sequences(model, move_to(batch.tokens, device), move_to(batch.shared, device))
             correct += int((rewards[: len(chunk)] > rewards[len(chunk) :]).sum())
     return correct / max(1, len(pairs))
 

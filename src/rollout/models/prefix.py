@@ -137,6 +137,24 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Pretrain
 
     `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits") that takes
     a key/value cache; `config` builds it."""
+    prompt_out, completion_out = _prefix_forward(module, batch, config)
+    last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
+    return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
+
+
+def prefix_last_hidden(decoder: Any, batch: PrefixBatch, config: PretrainedConfig) -> torch.Tensor:
+    """[B, H]: the decoder's last hidden state at each row's last real token (its last completion
+    token; the prompt's last token for an empty completion) -- what a reward head scores."""
+    prompt_out, completion_out = _prefix_forward(decoder, batch, config)
+    last_prompt = prompt_out.last_hidden_state[:, -1][batch.owner]
+    hidden = completion_out.last_hidden_state
+    length = batch.completion_mask.sum(1)
+    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (length - 1).clamp(min=0)]
+    return torch.where((length > 0)[:, None], last, last_prompt)
+
+
+def _prefix_forward(module: Any, batch: PrefixBatch, config: PretrainedConfig) -> tuple[Any, Any]:
+    """The prompt pass (each prompt once) and the completion pass on its gathered cache."""
     from transformers import DynamicCache
 
     pmask = batch.prompt_mask.long()
@@ -156,8 +174,7 @@ def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: Pretrain
         position_ids=lengths[:, None] + torch.arange(lc, device=lengths.device)[None, :],
         **cache_kwarg(cache), use_cache=True,
     )
-    last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
-    return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
+    return prompt_out, completion_out
 
 
 def prefix_logps(
