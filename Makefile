@@ -60,10 +60,11 @@ demo: install
 	@echo "runs:    $(ROLLOUT) runs list --storage-path local/rollout.db"
 	@echo "results: local/ (rollout.db, object-store/, runs/<run-id>/events.jsonl, models/*)"
 
-# Two workers (one torch thread each), whole files per worker so a module's fixtures are built once.
+# Two workers (one torch thread each), whole files per worker so a module's fixtures are built once;
+# files in collection order (tests/conftest.py puts the two longest first, one per worker).
 # --durations lists the 25 slowest tests at the end (where the suite's time goes).
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"

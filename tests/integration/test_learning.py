@@ -59,7 +59,7 @@ def test_rm_example_ranks_held_out_pairs(workspace, rm_run):
     tok = AutoTokenizer.from_pretrained(export)
     acc = pair_accuracy(model, tok, _rows(workspace / "data" / "arithmetic" / "eval_pref.jsonl"), max_seq_len=64)
     print(f"RM pair accuracy on held-out pairs: {acc:.3f}")
-    assert acc >= 0.90  # seeds 0-4: 0.970 / 1.000 / 1.000 / 1.000 / 0.965 (800 steps, README)
+    assert acc >= 0.90  # seeds 0-4: 0.995 / 1.000 / 1.000 / 1.000 / 0.990 (800 steps, 1 thread, README)
     # the example's eval_dataset: the same figure, logged by the run at its last step
     assert result.metrics["eval/pair_accuracy"] == acc
     store = open_store("embedded", path=cfg.storage.embedded.path)
@@ -88,7 +88,7 @@ def test_dpo_example_raises_held_out_reward_accuracy(workspace, sft_run, tmp_pat
     )
     acc0, margin0 = implicit_reward_accuracy(reference, reference, tok, pairs, beta=0.1, max_seq_len=64)
     print(f"DPO held-out reward accuracy {acc0:.3f} -> {acc:.3f}, mean margin {margin0:.3f} -> {margin:.3f}")
-    assert margin0 == 0.0 and acc >= 0.90 and margin > 0.2  # grid worst cell 0.965 (seed 4): see the README
+    assert margin0 == 0.0 and acc >= 0.88 and margin > 0.2  # grid worst cell 0.945 (seed 2, 1 thread): README
     store = open_store("embedded", path=cfg.storage.embedded.path)
     margins = [m.value for m in store.read_metrics(result.run_id, name="rewards/margins")]
     store.close()
