@@ -171,16 +171,17 @@ def test_reward_scores_of_shared_prompts_equal_the_full_rows():
     batch = collate_pair_batch(pairs, [0.0] * 3, PAD)
     assert batch.shared is not None and batch.shared.num_tokens < int(batch.tokens.attention_mask.sum())
     weights = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
-    grads = []
-    for shared in (batch.shared, None):
+
+    def scores_and_grads(shared):
         rm.zero_grad()
         scores = score_sequences(rm, batch.tokens, shared)
         (scores * weights).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in rm.named_parameters()})
-        if shared is not None:
-            got = scores.detach()
+        return scores.detach(), {n: p.grad.clone() for n, p in rm.named_parameters()}
+
+    got, shared_grads = scores_and_grads(batch.shared)
+    _, full_grads = scores_and_grads(None)
     alone = [rm(input_ids=torch.tensor([ids])).logits[0, 0].item()
              for ids in [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]]
     assert got.tolist() == pytest.approx(alone, abs=1e-5)
-    for name in grads[0]:
-        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name
+    for name, grad in shared_grads.items():
+        assert torch.allclose(grad, full_grads[name], atol=1e-5, rtol=1e-4), name
