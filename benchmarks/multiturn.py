@@ -101,7 +101,7 @@ from typing import Any
 
 from bench_common import no_activation_checkpointing, quiet_stderr
 
-VARIANTS = ("rollout", "naive", "batched", "trl")
+VARIANTS = ("rollout", "no-kv", "naive", "batched", "trl")
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Run:
     episodes: int
     sampled_tokens: int
     prompt_tokens: int
-    prefill_positions: int
+    prefill_tokens: int
     generate_calls: int
 
     @property
@@ -206,24 +206,28 @@ def tool_schemas(turns: int) -> list[dict[str, Any]]:
 
 
 class CountingEngine:
-    """An `HFEngine` that counts what each `generate` call prefilled and sampled."""
+    """An `HFEngine` that counts what each `generate` call prefilled and sampled; with `keep_caches=False`
+    it drops the requests' `cache_key` (every turn prefills the whole conversation again)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, keep_caches: bool = True) -> None:
         self.engine = engine
+        self.keep_caches = keep_caches
         self.reset()
 
     def reset(self) -> None:
-        self.calls = self.prompt_tokens = self.prefill_positions = self.sampled_tokens = 0
+        self.calls = self.prompt_tokens = self.prefill_tokens = self.sampled_tokens = 0
 
     def generate(self, requests: Sequence[Any], params: Any = None) -> list[tuple[Any, ...]]:
         # all of a call's rows are admitted in one prefill (max_batch_size >= episodes), so this is exact
         assert len(requests) <= self.engine.max_batch_size, (len(requests), self.engine.max_batch_size)
+        if not self.keep_caches:
+            requests = [replace(r, cache_key=None) for r in requests]
+        before = self.engine.kept_cache_stats["prefilled_tokens"]
         out = self.engine.generate(requests, params)
         prompts = [c.prompt_token_ids for choices in out for c in choices]
-        distinct = set(prompts)
         self.calls += 1
         self.prompt_tokens += sum(map(len, prompts))
-        self.prefill_positions += len(distinct) * max(map(len, distinct))
+        self.prefill_tokens += self.engine.kept_cache_stats["prefilled_tokens"] - before
         self.sampled_tokens += sum(c.completion_tokens for choices in out for c in choices)
         return out
 
@@ -342,11 +346,11 @@ class TrlCounts:
 
     calls: int = 0
     prompt_tokens: int = 0
-    prefill_positions: int = 0
+    prefill_tokens: int = 0
     sampled_tokens: int = 0
 
     def reset(self) -> None:
-        self.calls = self.prompt_tokens = self.prefill_positions = self.sampled_tokens = 0
+        self.calls = self.prompt_tokens = self.prefill_tokens = self.sampled_tokens = 0
 
 
 def setup_trl(
@@ -431,7 +435,7 @@ def setup_trl(
         completion_ids, logprobs = generate(prompt_ids, *a, **kw)
         counts.calls += 1
         counts.prompt_tokens += sum(map(len, prompt_ids))
-        counts.prefill_positions += len(prompt_ids) * max(map(len, prompt_ids))
+        counts.prefill_tokens += sum(map(len, prompt_ids))  # every row's prompt: generate prefills each
         counts.sampled_tokens += sum(map(len, completion_ids))
         return completion_ids, logprobs
 
@@ -496,7 +500,7 @@ def print_table(results: dict[str, list[Run]], args: argparse.Namespace) -> None
     print()
     print(
         f"{'variant':<8} | {'episodes/s min / median / max':>29} | {'s/run':>6} | {'rollout/this':>12} | "
-        f"{'pairs':>6} | {'sampled tok':>11} | {'prompt tok':>10} | {'prefill pos':>11} | {'generate calls':>14}"
+        f"{'pairs':>6} | {'sampled tok':>11} | {'prompt tok':>10} | {'prefill tok':>11} | {'generate calls':>14}"
     )
     print("-" * 131)
     for name, runs in results.items():
@@ -509,13 +513,14 @@ def print_table(results: dict[str, list[Run]], args: argparse.Namespace) -> None
         print(
             f"{name:<8} | {min(eps):>8.2f} / {statistics.median(eps):>7.2f} / {max(eps):>8.2f} | "
             f"{statistics.median(r.seconds for r in runs):>6.3f} | {ratio:>12} | {pairs:>6} | "
-            f"{last.sampled_tokens:>11,} | {last.prompt_tokens:>10,} | {last.prefill_positions:>11,} | "
+            f"{last.sampled_tokens:>11,} | {last.prompt_tokens:>10,} | {last.prefill_tokens:>11,} | "
             f"{last.generate_calls:>14,}"
         )
     print(
         "\nrollout/this = median episodes/s of rollout / this variant's; pairs = median of the per-repeat ratios;"
         "\ntoken columns are the last repeat's: prompt tok = summed prompt length of every request (the re-prefill"
-        " cost),\nprefill pos = positions the prefill forwards computed (distinct prompts x longest, per call)"
+        " cost),\nprefill tok = prompt tokens the prefill forwards computed (padding not counted; the engine prefills"
+        " equal prompts once and,\nfor rollout, only what follows a kept cache)"
     )
     print(f"load avg at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
@@ -534,73 +539,94 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     print_header(args, str(args.model) if args.model else "tiny Qwen2 ~1.05M params, init_tiny_model")
 
-    from rollout.inference.hf_engine import load_hf_engine
-    from rollout.rl.chat_tokens import prompt_ids
-
-    episodes = args.episodes
-    rows = make_rows(episodes // args.generations)
+    rows = make_rows(args.episodes // args.generations)
     with tempfile.TemporaryDirectory(prefix="multiturn-") as tmp:
-        work = Path(tmp)
-        model_dir = args.model
-        if model_dir is None:
-            from rollout.models.tiny import init_tiny_model
-
-            model_dir = init_tiny_model(work / "tiny")
-        with quiet_stderr():
-            engine = CountingEngine(load_hf_engine(model_dir, device="cpu", max_batch_size=max(32, episodes)))
-        opening = prompt_ids(engine.tokenizer, rows[0]["prompt"], tools=tool_schemas(args.turns))
-        assert tuple(opening) == engine.engine.tokenize(rows[0]["prompt"], tool_schemas(args.turns))
-        print(f"opening prompt: {len(opening)} tokens, {engine.tokenizer.decode(opening)!r}")
-
-        runners: dict[str, Callable[[Sequence[Mapping[str, Any]], int], int]] = {}
-        counters: dict[str, CountingEngine | TrlCounts] = {}
-        for name, fn in (("rollout", run_rollout), ("naive", run_naive), ("batched", run_batched)):
-            if name in args.variants:
-                runners[name] = lambda rs, seed, fn=fn: fn(engine, rs, args, seed)
-                counters[name] = engine
-        if "trl" in args.variants:
-            with quiet_stderr():
-                trl_run, trl_counts, line = setup_trl(model_dir, work, rows, opening, args)
-            torch.set_num_threads(args.threads)
-            print(line)
-            if trl_run is not None:
-                # TRL's trainer holds the full prompt list; the warm-up below runs all of it
-                runners["trl"] = lambda rs, seed: trl_run(seed)
-                counters["trl"] = trl_counts
-        print(flush=True)
-
-        for warm_up in runners.values():  # one prompt group each (TRL: the whole batch)
-            with quiet_stderr():
-                warm_up(rows[:1], args.seed - 1)
+        runners = prepare_variants(args, Path(tmp), rows)
         results: dict[str, list[Run]] = {name: [] for name in runners}
-        expected = episodes * args.turns * args.max_tokens
         names = list(runners)
         for repeat in range(args.repeats):
             order = names[repeat % len(names) :] + names[: repeat % len(names)]  # rotate: a load change hits all
-            seed = args.seed + repeat
             for name in order:
-                counter = counters[name]
-                counter.reset()
-                t0 = time.perf_counter()
-                with quiet_stderr():
-                    done = runners[name](rows, seed)
-                seconds = time.perf_counter() - t0
-                assert done == episodes, (name, done, episodes)
-                assert counter.sampled_tokens == expected, (
-                    f"{name} sampled {counter.sampled_tokens} tokens, expected {episodes} x {args.turns} x "
-                    f"{args.max_tokens} = {expected}"
-                )
-                calls = counter.calls
-                run = Run(seconds, done, counter.sampled_tokens, counter.prompt_tokens, counter.prefill_positions, calls)
+                run = runners[name].timed(rows, args.seed + repeat)
                 results[name].append(run)
                 print(
                     f"repeat {repeat + 1}/{args.repeats} {name:<8} {run.episodes_per_s:8.2f} episodes/s "
-                    f"({seconds:.3f}s; {calls} generate calls, {run.prompt_tokens:,} prompt tokens, "
+                    f"({run.seconds:.3f}s; {run.generate_calls} generate calls, {run.prompt_tokens:,} prompt tokens, "
                     f"{run.sampled_tokens:,} sampled), load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
     print_table(results, args)
     return 0
+
+
+@dataclass
+class Variant:
+    """One way of running the episodes, with the counter of what it prefilled and sampled."""
+
+    name: str
+    run: Callable[[Sequence[Mapping[str, Any]], int], int]
+    counter: CountingEngine | TrlCounts
+    args: argparse.Namespace
+
+    def timed(self, rows: Sequence[Mapping[str, Any]], seed: int) -> Run:
+        """One timed run of every episode (`seed`); checks every episode ran and sampled its tokens."""
+        self.counter.reset()
+        t0 = time.perf_counter()
+        with quiet_stderr():
+            done = self.run(rows, seed)
+        seconds = time.perf_counter() - t0
+        a = self.args
+        expected = a.episodes * a.turns * a.max_tokens
+        assert done == a.episodes, (self.name, done, a.episodes)
+        assert self.counter.sampled_tokens == expected, (
+            f"{self.name} sampled {self.counter.sampled_tokens} tokens, expected {a.episodes} x {a.turns} x "
+            f"{a.max_tokens} = {expected}"
+        )
+        c = self.counter
+        return Run(seconds, done, c.sampled_tokens, c.prompt_tokens, c.prefill_tokens, c.calls)
+
+
+def prepare_variants(args: argparse.Namespace, work: Path, rows: Sequence[Mapping[str, Any]]) -> dict[str, Variant]:
+    """The model (in `work` unless `--model`), the engine and TRL's trainer, each variant warmed up once.
+    Also used by `run_all.py` (`make bench`)."""
+    import torch
+
+    from rollout.inference.hf_engine import load_hf_engine
+    from rollout.rl.chat_tokens import prompt_ids
+
+    model_dir = args.model
+    if model_dir is None:
+        from rollout.models.tiny import init_tiny_model
+
+        model_dir = init_tiny_model(work / "tiny")
+    with quiet_stderr():
+        engine = CountingEngine(load_hf_engine(model_dir, device="cpu", max_batch_size=max(32, args.episodes)))
+    no_kv = CountingEngine(engine.engine, keep_caches=False)
+    opening = prompt_ids(engine.tokenizer, rows[0]["prompt"], tools=tool_schemas(args.turns))
+    assert tuple(opening) == engine.engine.tokenize(rows[0]["prompt"], tool_schemas(args.turns))
+    print(f"opening prompt: {len(opening)} tokens, {engine.tokenizer.decode(opening)!r}")
+
+    variants: dict[str, Variant] = {}
+    for name, fn, counter in (
+        ("rollout", run_rollout, engine), ("no-kv", run_rollout, no_kv), ("naive", run_naive, engine),
+        ("batched", run_batched, engine),
+    ):
+        if name in args.variants:
+            run = lambda rs, seed, fn=fn, counter=counter: fn(counter, rs, args, seed)  # noqa: E731
+            variants[name] = Variant(name, run, counter, args)
+    if "trl" in args.variants:
+        with quiet_stderr():
+            trl_run, trl_counts, line = setup_trl(model_dir, work, rows, opening, args)
+        torch.set_num_threads(args.threads)
+        print(line)
+        if trl_run is not None:
+            # TRL's trainer holds the full prompt list; the warm-up below runs all of it
+            variants["trl"] = Variant("trl", lambda rs, seed: trl_run(seed), trl_counts, args)
+    print(flush=True)
+    for variant in variants.values():  # one prompt group each (TRL: the whole batch)
+        with quiet_stderr():
+            variant.run(rows[:1], args.seed - 1)
+    return variants
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
 | `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
+| `multiturn` | rollout episodes (kept KV caches), the same without them, a naive re-prefill loop, TRL `GRPOTrainer(tools=)` | episodes/s | >= 2 x naive (issue 10) |
 | `startup` | `rollout --help`, `rollout validate` (fresh interpreters) | seconds | < 0.3 s |
 
 Interleaving: every job runs in its own process per thread count (OpenMP is set up
@@ -48,8 +49,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-JOBS = ("startup", "sft", "dpo", "grpo", "generation")
-WEIGHTS = {"startup": 0.06, "sft": 0.34, "dpo": 0.22, "grpo": 0.25, "generation": 0.13}
+JOBS = ("startup", "sft", "dpo", "grpo", "generation", "multiturn")
+WEIGHTS = {"startup": 0.06, "sft": 0.32, "dpo": 0.2, "grpo": 0.23, "generation": 0.11, "multiturn": 0.08}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
 RESULT_PREFIX = "RESULT "
@@ -59,6 +60,7 @@ SFT_STEPS = (40, 120)
 DPO_STEPS = (40, 120)
 GRPO_STEPS = (40, 100)
 GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
+MULTITURN_EPISODES = (16, 32)
 STARTUP_RUNS = (8, 20)
 
 
@@ -222,6 +224,26 @@ def job_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"generation": Repeats(args, "generation").run(sides, ratios)}
 
 
+def job_multiturn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import multiturn as mt
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    a = mt.parse_args(["--episodes", str(MULTITURN_EPISODES[0 if args.quick else 1]), "--threads",
+                       str(args.threads[0]), "--variants", "rollout,no-kv,naive,trl"])
+    rows = mt.make_rows(a.episodes // a.generations)
+    variants = mt.prepare_variants(a, work, rows)
+
+    def side(variant: Any) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            run = variant.timed(rows, a.seed + repeat)
+            return run.episodes_per_s, {"prefill_tokens": run.prefill_tokens, "prompt_tokens": run.prompt_tokens}
+        return call
+
+    ratios = {f"rollout/{name}": (lambda f, name=name: f["rollout"] / f[name]) for name in variants if name != "rollout"}
+    return {"multiturn": Repeats(args, "multiturn").run({n: side(v) for n, v in variants.items()}, ratios)}
+
+
 def gen_quiet() -> Any:
     from bench_common import quiet_stderr
 
@@ -257,7 +279,7 @@ def worker(args: argparse.Namespace) -> None:
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
     job = {"startup": job_startup, "sft": job_sft, "dpo": job_dpo, "grpo": job_grpo,
-           "generation": job_generation}[args.worker]
+           "generation": job_generation, "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -295,8 +317,10 @@ TARGETS = {
     ("dpo", "rollout/bare"): 0.95,
     ("grpo", "trl/rollout (s/step)"): 2.0,
     ("generation", "engine/generate"): 1.5,
+    ("multiturn", "rollout/naive"): 2.0,
 }
-UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s"}
+UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s",
+         "multiturn": "episodes/s"}
 
 
 def summarize(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -343,7 +367,8 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
         sides = r["sides"]
         names = list(sides)
         ours = "rollout" if "rollout" in sides else names[0]
-        peer = next((n for n in names if n not in (ours, "bare")), "")
+        named = [n for n in r["ratio"].split(" ")[0].split("/") if n in sides and n != ours]  # "rollout/no-kv"
+        peer = named[0] if named else next((n for n in names if n not in (ours, "bare")), "")
         cell = {n: "/".join(_fmt(sides[n][k]) for k in ("min", "median", "max")) for n in names}
         spread = r["ratio_spread"]
         out.append(

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from integration_helpers import example_config
 
 
 @pytest.fixture(scope="session")
@@ -25,41 +24,6 @@ def workspace(tmp_path_factory) -> Path:
     init_tiny_model(root / "models" / "tiny")
     write_arithmetic_dataset(root / "data" / "arithmetic")
     return root
-
-
-def example_config(name: str, workspace: Path, dest: Path, replace: dict[str, str] | None = None) -> Path:
-    """The example config with `../local/` pointing at `workspace` and its store in `dest`."""
-    text = (ROOT / "examples" / name).read_text()
-    for old, new in (replace or {}).items():
-        assert old in text, f"{old!r} not in {name}"
-        text = text.replace(old, new)
-    text = text.replace('"../local/rollout.db"', f'"{dest}/rollout.db"')
-    text = text.replace('"../local/object-store"', f'"{dest}/object-store"')
-    text = text.replace('"../local/models/sft-tiny"', f'"{dest}/sft-export"')
-    text = text.replace('"../local/models/rm-tiny"', f'"{dest}/rm-export"')
-    text = text.replace('"../local/models/dpo-tiny"', f'"{dest}/dpo-export"')
-    text = text.replace('"../local/models/kto-tiny"', f'"{dest}/kto-export"')
-    text = text.replace('"../local/models/grpo-tiny"', f'"{dest}/grpo-export"')
-    text = text.replace('"../local/models/ppo-tiny"', f'"{dest}/ppo-export"')
-    text = text.replace('"../local/', f'"{workspace}/')
-    dest.mkdir(parents=True, exist_ok=True)
-    path = dest / name
-    path.write_text(text)
-    return path
-
-
-def eval_metrics(capsys, env: str, model_dir: Path, data: Path, store_path: Path, *extra: str) -> dict[str, float]:
-    """`rollout eval --env ENV` of a model folder on `data` (1 thread, `--json`): its metrics."""
-    from rollout.cli.main import main
-
-    args = ["eval", "--env", env, "--data", str(data), "--model", str(model_dir), "--json",
-            "--storage-path", str(store_path), "--threads", "1", *extra]  # fmt: skip
-    capsys.readouterr()
-    try:
-        main(args)
-    except SystemExit as exit_:
-        assert not exit_.code, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)["metrics"]
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ Its own file so that `make test` (whole files per xdist worker) runs it beside t
 from __future__ import annotations
 
 import pytest
-from conftest import eval_metrics, example_config
+from integration_helpers import eval_metrics, example_config
 
 from rollout.config import load_config
 

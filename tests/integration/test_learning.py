@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from integration_helpers import example_config
 
-from conftest import example_config
 from rollout.config import load_config
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from integration_helpers import example_config
 
-from conftest import example_config
 from rollout.config import load_config
 from rollout.store import open_store
 

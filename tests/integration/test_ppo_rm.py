@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import example_config
+from integration_helpers import example_config
 
 from rollout.config import load_config
 from rollout.errors import ConfigError

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import example_config
+from integration_helpers import example_config
 
 GOOD = {"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"}
 

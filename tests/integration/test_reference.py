@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from conftest import example_config
+from integration_helpers import example_config
 
 from rollout.config import load_config
 from rollout.store import open_store

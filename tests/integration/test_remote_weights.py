@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import example_config
+from integration_helpers import example_config
 
 from rollout.config import load_config
 from rollout.store import open_store

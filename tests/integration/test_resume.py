@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import example_config
+from integration_helpers import example_config
 
 from rollout.config import load_config
 from rollout.store import open_store

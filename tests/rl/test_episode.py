@@ -245,8 +245,9 @@ def test_limits_are_validated():
 
 
 def test_real_engine_episodes_are_token_exact_against_a_teacher_forced_pass(rl_engine, rl_model_dir, tokenizer):
-    """Three-turn episodes on the hf engine: a forward pass over each trajectory's tokens gives
-    the engine's log-probs at every sampled token, so what is trained is what was sampled."""
+    """Three-turn episodes on the hf engine (turns 2 and 3 prefill only their new tokens on top of the
+    previous turn's kept cache): a forward pass over each trajectory's tokens gives the engine's
+    log-probs at every sampled token, so what is trained is what was sampled."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -254,9 +255,13 @@ def test_real_engine_episodes_are_token_exact_against_a_teacher_forced_pass(rl_e
 
     sampler = EngineSampler(rl_engine, max_batch=64)
     limits = EpisodeLimits(max_turns=3, max_episode_tokens=60)
+    reused = rl_engine.kept_cache_stats["reused"]
     groups = asyncio.run(run_episodes(sampler, tokenizer, NeverDone, [(0, {}), (1, {})], num_generations=2,
                                       sampling=SamplingParams(temperature=1.0, max_tokens=6), seed=3, limits=limits))
     sampler.close()
+    # turns 2 and 3 of the 4 episodes continued the engine's kept caches; none is left behind
+    assert rl_engine.kept_cache_stats["reused"] - reused == 8
+    assert len(rl_engine._kept) == 0
     model = AutoModelForCausalLM.from_pretrained(rl_model_dir).eval()
     episodes = [e for g in groups for e in g]
     assert all(e.num_turns == 3 and e.finish_reason == "max_turns" for e in episodes)

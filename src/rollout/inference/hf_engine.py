@@ -19,7 +19,9 @@ The decode loop is our own rather than `model.generate`, for two reasons:
 
 Rows are left-padded; position ids count each row's real tokens, so padding
 never shifts a row's positions and the cache of two batches can be merged by
-left-padding the shorter one. The log-prob of each sampled token is the
+left-padding the shorter one. A request with a `cache_key` keeps its finished
+row's cache in the engine, and the conversation's next turn prefills only its
+new tokens on top of it (`kept_cache.py`, `HFSession._prefill_kept`). The log-prob of each sampled token is the
 log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32
 (of the logits divided by the row's temperature when it asks for `tempered_logprobs`).
 
@@ -43,6 +45,7 @@ import torch
 
 from rollout.errors import ModelError
 from rollout.inference.detokenize import IncrementalText
+from rollout.inference.kept_cache import DEFAULT_KEPT_CACHE_BYTES, KeptCache, KeptCacheStore
 from rollout.inference.sampling import choose_tokens
 from rollout.inference.types import (
     Completion,
@@ -127,6 +130,7 @@ class HFEngine:
         max_batch_size: int = 32,
         max_model_len: int | None = None,
         pad_multiple: int = 1,
+        kept_cache_bytes: int = DEFAULT_KEPT_CACHE_BYTES,
     ) -> None:
         if max_batch_size < 1:
             raise ModelError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -144,8 +148,12 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.pad_token_id = _pad_token_id(tokenizer, model)
         self.eos_token_ids = frozenset(_eos_token_ids(tokenizer, model))
-        self._lock = threading.Lock()  # one forward pass or weight update at a time
+        self._lock = threading.Lock()  # one forward pass, weight update or kept-cache change at a time
         self._weights_version = 0
+        self._kept = KeptCacheStore(kept_cache_bytes)
+        self.kept_cache_stats = {"kept": 0, "reused": 0, "reused_tokens": 0, "prefilled_tokens": 0}
+        """Rows whose cache was kept for a `cache_key`; rows that continued a kept cache; the prompt
+        tokens those did not prefill again; prompt tokens prefilled (every request)."""
 
     # ----------------------------------------------------------------- protocol
 
@@ -215,6 +223,11 @@ class HFEngine:
     def open_session(self) -> HFSession:
         return HFSession(self)
 
+    def release_cache(self, key_prefix: str) -> int:
+        """Drop the kept caches (see `kept_cache.py`) whose `cache_key` starts with `key_prefix`."""
+        with self._lock:
+            return self._kept.release(key_prefix)
+
     def update_weights(self, weights: StateDict | str | PathLike[str]) -> int:
         """Copy new weights into the live model in place (no rebuild); returns the new version.
 
@@ -243,6 +256,7 @@ class HFEngine:
             for name, value in state.items():
                 current[name].copy_(value)
             self._weights_version += 1
+            self._kept.clear()  # computed with the old weights
             return self._weights_version
 
     def close(self) -> None:
@@ -262,6 +276,8 @@ class _Job:
     seed: int
     completions: list[Completion | None] = field(default_factory=list)
     remaining: int = 0
+    weights_version: int = 0
+    """The engine's weights when the job was admitted: its cache is kept only if they still are."""
 
 
 @dataclass
@@ -334,15 +350,29 @@ class HFSession:
         self.add_prepared(prepared)
 
     def add_prepared(self, prepared: Sequence[PreparedRequest]) -> None:
-        """Prefill the prompts in one forward pass, sample each row's first token, merge into the batch."""
+        """Prefill the prompts, sample each row's first token, merge the rows into the batch.
+
+        Rows of a request whose `cache_key` has a kept cache (`kept_cache.py`) prefill only their new
+        tokens on top of it (`_prefill_kept`); the others prefill their whole prompt (`_prefill`)."""
         if not prepared:
             return
         if self.rows and not _mergeable(self.cache):
             self.waiting.append(list(prepared))
             return
         rows = [row for p in prepared for row in self._make_rows(p)]
-        # each distinct prompt is prefilled once (n choices, or equal prompts, share it); its cache,
-        # mask and last logits are then gathered to one copy per row
+        kept = self._take_kept(rows)
+        fresh = [row for row, entry in zip(rows, kept, strict=True) if entry is None]
+        if fresh:
+            self._join(fresh, *self._prefill(fresh))
+        continuing = [(row, entry) for row, entry in zip(rows, kept, strict=True) if entry is not None]
+        if continuing:
+            self._join([row for row, _ in continuing], *self._prefill_kept(continuing))
+
+    def _prefill(self, rows: list[_Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Cache, mask and last logits of the rows' whole prompts, left-padded to a common width.
+
+        Each distinct prompt is prefilled once (n choices, or equal prompts, share it); its cache,
+        mask and last logits are then gathered to one copy per row."""
         unique: dict[tuple[int, ...], int] = {}
         owner = [unique.setdefault(r.job.prompt_ids, len(unique)) for r in rows]
         width = _round_up(max(len(p) for p in unique), self.engine.pad_multiple)
@@ -359,6 +389,51 @@ class HFSession:
             with torch.inference_mode():
                 cache.reorder_cache(index)
             mask, logits = mask.index_select(0, index), logits.index_select(0, index)
+        self.engine.kept_cache_stats["prefilled_tokens"] += sum(len(p) for p in unique)
+        return cache, mask, logits
+
+    def _prefill_kept(self, pairs: list[tuple[_Row, KeptCache]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Cache, mask and last logits of rows that continue a kept cache: only the tokens after it are fed.
+
+        Row i's columns are [pad, kept tokens, pad, new tokens]: the kept part is left-padded to a
+        common width and the new part too, each width a multiple of `pad_multiple`, so a row's padding
+        before either part is fixed modulo it by the row's own lengths and its log-probs do not depend
+        on the other rows (`BATCH_INVARIANT_PAD`). The mask holds the hole; positions count real tokens."""
+        from transformers import DynamicCache
+
+        device, multiple = self.engine.device, self.engine.pad_multiple
+        kept_lens = [len(entry.token_ids) for _, entry in pairs]
+        new_ids = [row.job.prompt_ids[n:] for (row, _), n in zip(pairs, kept_lens, strict=True)]
+        kept_width = _round_up(max(kept_lens), multiple)
+        new_width = _round_up(max(len(t) for t in new_ids), multiple)
+        ids = torch.full((len(pairs), new_width), self.engine.pad_token_id, dtype=torch.long, device=device)
+        positions = torch.zeros((len(pairs), new_width), dtype=torch.long, device=device)
+        mask = torch.zeros((len(pairs), kept_width + new_width), dtype=torch.long, device=device)
+        for i, (n, tokens) in enumerate(zip(kept_lens, new_ids, strict=True)):
+            mask[i, kept_width - n : kept_width] = 1
+            mask[i, kept_width + new_width - len(tokens) :] = 1
+            ids[i, new_width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long, device=device)
+            positions[i, new_width - len(tokens) :] = torch.arange(n, n + len(tokens), device=device)
+        cache = DynamicCache(config=self.engine.model.config)
+        with torch.inference_mode():
+            for layer_index, layer in enumerate(cache.layers):
+                parts = [
+                    entry.layers[layer_index] for _, entry in pairs
+                ]  # (keys, values), each (kv_heads, n, head_dim)
+                layer.update(
+                    torch.stack([_left_pad(k, kept_width - n, 1) for (k, _), n in zip(parts, kept_lens, strict=True)]),
+                    torch.stack([_left_pad(v, kept_width - n, 1) for (_, v), n in zip(parts, kept_lens, strict=True)]),
+                )
+        cache, logits = self._forward(ids, mask, positions, cache=cache)
+        stats = self.engine.kept_cache_stats
+        stats["reused"] += len(pairs)
+        stats["reused_tokens"] += sum(kept_lens)
+        stats["prefilled_tokens"] += sum(len(t) for t in new_ids)
+        return cache, mask, logits
+
+    def _join(self, rows: list[_Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Merge freshly prefilled rows into the batch and sample their first token."""
+        device = self.engine.device
         new = _BatchState(
             cache=cache,
             mask=mask,
@@ -369,6 +444,37 @@ class HFSession:
         )
         self._merge(rows, new)
         self._advance(logits, first=len(self.rows) - len(rows))
+
+    def _take_kept(self, rows: list[_Row]) -> list[KeptCache | None]:
+        """The kept cache each row continues (one per request, shared by its n rows), or None."""
+        taken: dict[int, KeptCache | None] = {}
+        with self.engine._lock:
+            for row in rows:
+                job = row.job
+                if id(job) not in taken:
+                    key = job.request.cache_key
+                    taken[id(job)] = (
+                        None if key is None else self.engine._kept.take(key, job.prompt_ids, job.weights_version)
+                    )
+        return [taken[id(row.job)] for row in rows]
+
+    def _keep(self, row: _Row, index: int) -> None:
+        """Keep a finishing row's keys/values (batch row `index`) under its request's `cache_key`."""
+        job = row.job
+        key = job.request.cache_key
+        if key is None or not job.request.keep_cache or job.params.n != 1 or not _mergeable(self.cache):
+            return
+        tokens = job.prompt_ids + tuple(row.token_ids[:-1])  # the last sampled token was never fed
+        columns = self.mask[index].nonzero().squeeze(-1)
+        assert columns.numel() == len(tokens), (columns.numel(), len(tokens))
+        layers = tuple(
+            (layer.keys[index].index_select(1, columns), layer.values[index].index_select(1, columns))
+            for layer in self.cache.layers
+        )
+        with self.engine._lock:
+            if job.weights_version == self.engine.weights_version:  # not computed across a weight update
+                self.engine._kept.put(key, KeptCache(tokens, layers, job.weights_version))
+                self.engine.kept_cache_stats["kept"] += 1
 
     def step(self) -> list[tuple[GenerationRequest, tuple[Completion, ...]]]:
         """One decode step for every row; returns the requests whose choices have all finished."""
@@ -391,7 +497,9 @@ class HFSession:
     def _make_rows(self, prepared: PreparedRequest) -> list[_Row]:
         params, request = prepared.params, prepared.request
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        job = _Job(request, params, prepared.prompt_ids, seed, [None] * params.n, params.n)
+        job = _Job(
+            request, params, prepared.prompt_ids, seed, [None] * params.n, params.n, self.engine.weights_version
+        )
         needs_text = bool(params.stop) or request.on_token is not None
         max_new = min(params.max_tokens, self.engine.max_model_len - len(prepared.prompt_ids))
         rows = []
@@ -487,6 +595,7 @@ class HFSession:
             if row.finish_reason is None:
                 keep.append(first + i)
             else:
+                self._keep(row, first + i)
                 self._retire(row)
         if len(keep) < len(self.rows):
             self._select(keep)

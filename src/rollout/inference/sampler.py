@@ -258,6 +258,12 @@ class EngineSampler:
         batch.add_done_callback(split)
         return futures
 
+    def release_cache(self, key_prefix: str) -> None:
+        """Free the engine's kept caches under `key_prefix` (requests' `cache_key`), if it keeps any."""
+        release = getattr(self.engine, "release_cache", None)
+        if release is not None:
+            release(key_prefix)
+
 
 def _one(params: SamplingParams) -> SamplingParams:
     return replace(params, n=1)

@@ -139,7 +139,11 @@ class GenerationRequest:
     or, for an endpoint, in the chat request; they need a message-list prompt.
     `on_token` (streaming) and `on_finish` are called from the engine's thread;
     setting `cancel` stops the request at the next decode step (its choices end
-    with finish_reason "cancelled").
+    with finish_reason "cancelled"). `cache_key` (one conversation's id) asks an
+    engine that can to continue from the key/value cache kept under it when this
+    prompt extends it, and (`keep_cache`, n = 1) to keep the finished row's cache
+    under it for the next turn (`inference/kept_cache.py`); engines that can't
+    ignore both.
     """
 
     prompt: Prompt | None = None
@@ -149,6 +153,8 @@ class GenerationRequest:
     on_finish: Callable[[tuple[Completion, ...]], None] | None = field(default=None, compare=False)
     cancel: threading.Event | None = field(default=None, compare=False)
     tools: tuple[Mapping[str, Any], ...] | None = field(default=None, compare=False)
+    cache_key: str | None = field(default=None, compare=False)
+    keep_cache: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):

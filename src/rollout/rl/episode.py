@@ -20,6 +20,13 @@ within `limits.step_timeout_s`). The batch an episode's turn lands in depends
 only on the inputs, so a run and its resume sample the same tokens. Turn `t`
 of choice `j` of group `g` is seeded with `derive_seed(seed, g, j, t)`.
 
+Every turn but the last asks the engine to keep its key/value cache under the
+episode's `cache_key`, and the next turn continues from it: the hf engine
+then prefills only the last sampled token and the env's answer, not the whole
+conversation again (`inference/kept_cache.py`; other engines ignore the key).
+What is left (episodes the env ended early) is released when the call's
+episodes end.
+
 An episode ends when the env says `done` (finish reason "done"), after
 `max_turns` assistant turns ("max_turns"), when the next turn would exceed
 `max_episode_tokens` tokens after the prompt ("max_episode_tokens"), or when
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
@@ -216,6 +224,23 @@ async def run_episodes(
     rows = [row for _, row in starts for _ in range(num_generations)]
     await asyncio.gather(*(_reset(ep, row, tokenizer, slots, limits) for ep, row in zip(live, rows, strict=True)))
 
+    scope = f"episodes-{uuid.uuid4().hex}/"
+    try:
+        await _run_turns(sampler, tokenizer, live, eos_id, slots, sampling=sampling, seed=seed, limits=limits, scope=scope)
+    finally:
+        release = getattr(sampler, "release_cache", None)
+        if release is not None:
+            release(scope)
+
+    episodes = [ep.finished() for ep in live]
+    return [episodes[i : i + num_generations] for i in range(0, len(episodes), num_generations)]
+
+
+async def _run_turns(
+    sampler: RequestSampler, tokenizer: Any, live: list[_Live], eos_id: int, slots: asyncio.Semaphore, *,
+    sampling: SamplingParams, seed: int, limits: EpisodeLimits, scope: str,
+) -> None:
+    """Turn after turn until every episode has ended; turn t of every live episode in one engine batch."""
     running = [ep for ep in live if ep.end is None]
     while running:
         asking = []
@@ -226,7 +251,10 @@ async def run_episodes(
                 continue
             params = replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room),
                              seed=derive_seed(seed, ep.group_id, ep.index, ep.turn))
-            asking.append((ep, GenerationRequest(prompt_token_ids=(*ep.prompt_ids, *_ids(ep.segments)), params=params)))
+            asking.append((ep, GenerationRequest(
+                prompt_token_ids=(*ep.prompt_ids, *_ids(ep.segments)), params=params,
+                cache_key=f"{scope}{ep.group_id}/{ep.index}", keep_cache=ep.turn + 1 < limits.max_turns,
+            )))
         if asking:
             outputs = await asyncio.gather(*sampler.submit_all([request for _, request in asking]))
             await asyncio.gather(*(
@@ -234,9 +262,6 @@ async def run_episodes(
                 for (ep, _), choices in zip(asking, outputs, strict=True)
             ))
         running = [ep for ep in running if ep.end is None]
-
-    episodes = [ep.finished() for ep in live]
-    return [episodes[i : i + num_generations] for i in range(0, len(episodes), num_generations)]
 
 
 def _ids(segments: Sequence[TokenSegment]) -> tuple[int, ...]:
