@@ -47,7 +47,8 @@ Held equal (the header says it again):
 - `--steps` optimizer steps and `--threads` torch intra-op threads.
 
 Differences that are part of each library's design: rollout samples with its
-own engine (a second copy of the weights, updated in place after every step)
+own engine (on-policy it shares the policy's parameter tensors, so nothing is
+copied; with `off_policy_steps = 1` a second copy, updated after every step)
 and keeps the engine's per-token log-probs for truncated importance sampling
 (`tis_cap` 2.0, a no-op on-policy); TRL generates with `model.generate` on the
 policy itself. rollout records per-step metrics and events in its store; TRL

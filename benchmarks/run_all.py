@@ -11,6 +11,7 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 |---|---|---|---|
 | `sft-padded` | rollout, TRL `SFTTrainer`, bare PyTorch | tokens/s | rollout >= 0.95 x bare |
 | `sft-packed` | rollout bfd, TRL bfd (padding-free) | tokens/s | rollout >= 2 x TRL, and >= 2 x TRL padded |
+| `sft-mixed` | rollout bfd, TRL padded, on arithmetic + guess-number games (17-245 tokens, `--data mixed`) | tokens/s | rollout >= 2 x TRL padded |
 | `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
 | `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
@@ -49,14 +50,16 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-JOBS = ("startup", "sft", "dpo", "grpo", "generation", "multiturn")
-WEIGHTS = {"startup": 0.06, "sft": 0.32, "dpo": 0.2, "grpo": 0.23, "generation": 0.11, "multiturn": 0.08}
+JOBS = ("startup", "sft", "sft-mixed", "dpo", "grpo", "generation", "multiturn")
+WEIGHTS = {"startup": 0.05, "sft": 0.27, "sft-mixed": 0.12, "dpo": 0.18, "grpo": 0.2, "generation": 0.1,
+           "multiturn": 0.08}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
 RESULT_PREFIX = "RESULT "
 
 # job settings: (quick, full)
 SFT_STEPS = (40, 120)
+SFT_MIXED_STEPS = (20, 60)
 DPO_STEPS = (40, 120)
 GRPO_STEPS = (40, 100)
 GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
@@ -156,6 +159,25 @@ def job_sft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       "trl/bare": lambda f: f["trl"] / f["bare"]}
         out[f"sft-{mode}"] = Repeats(args, f"sft-{mode}").run(sides, ratios)
     return out
+
+
+def job_sft_mixed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import sft_throughput as sft
+
+    steps = SFT_MIXED_STEPS[0 if args.quick else 1]
+    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1", "--data", "mixed"])
+    model_dir, data_path = sft.prepare_inputs(work, "mixed")
+
+    def side(fn: Any, name: str, packed: bool) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            with sft.quiet_stderr():
+                m = fn(work / f"{name}-{repeat}", model_dir, data_path, a, packed=packed)
+            return m.tokens_per_s, {"final_loss": m.final_loss}
+        return call
+
+    sides = {"rollout": side(sft.run_rollout, "rollout", True), "trl padded": side(sft.run_trl, "trl", False)}
+    ratios = {"rollout/trl padded": lambda f: f["rollout"] / f["trl padded"]}
+    return {"sft-mixed": Repeats(args, "sft-mixed").run(sides, ratios)}
 
 
 def job_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -278,7 +300,7 @@ def worker(args: argparse.Namespace) -> None:
 
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
-    job = {"startup": job_startup, "sft": job_sft, "dpo": job_dpo, "grpo": job_grpo,
+    job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "grpo": job_grpo,
            "generation": job_generation, "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
@@ -313,13 +335,14 @@ TARGETS = {
     ("sft-padded", "rollout/bare"): 0.95,
     ("sft-packed", "rollout/trl"): 2.0,
     ("sft-packed", "rollout/trl padded"): 2.0,
+    ("sft-mixed", "rollout/trl padded"): 2.0,
     ("dpo", "rollout/trl"): 1.5,
     ("dpo", "rollout/bare"): 0.95,
     ("grpo", "trl/rollout (s/step)"): 2.0,
     ("generation", "engine/generate"): 1.5,
     ("multiturn", "rollout/naive"): 2.0,
 }
-UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s",
+UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "sft-mixed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s",
          "multiturn": "episodes/s"}
 
 

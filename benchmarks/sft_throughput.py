@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/sft_throughput.py                 # default: ~3 minutes on 2 cores
     .venv/bin/python benchmarks/sft_throughput.py --steps 60 --repeats 1    # quick look, ~1 minute
     .venv/bin/python benchmarks/sft_throughput.py --omp-passive   # steadier on a machine others keep busy
+    .venv/bin/python benchmarks/sft_throughput.py --data mixed    # lengths 17-245 tokens: what packing is for
     make bench                                                    # installs the [bench] extra, runs the default
 
 One run trains the tiny Qwen2 (`rollout model init-tiny`, ~1.05M params) on the
@@ -55,6 +56,13 @@ block-diagonal mask. Both train on the same tokens per step; on CPU (sdpa, no
 flash-attention varlen kernel) TRL's attention runs over one ~batch*seq-long row,
 so its cost grows with the square of the whole batch's tokens.
 
+`--data mixed`: the arithmetic lines and the guess-the-number SFT traces
+(`rollout data guess-number`: multi-turn games of 157-245 tokens, loss on every
+assistant turn), shuffled together (seed 0), rows of at most 256 tokens. The
+arithmetic lines alone are 17-19 tokens, so padding them wastes almost nothing
+and packing can only win by its larger rows; mixed lengths are what SFT data
+usually looks like, and where padded batches spend most of their compute on pad.
+
 Both runs must learn: the mean training loss of the last 20 steps is printed for
 each. The libraries shuffle with their own samplers, so the values differ by a few
 hundredths (padded) to about a tenth (packed, few loss tokens per step).
@@ -84,6 +92,8 @@ LR = 1e-3
 SEED = 0
 LOSS_WINDOW = 20  # final loss = mean of the last LOSS_WINDOW steps (one step is noisy)
 MODES = ("padded", "packed")
+DATA = ("arithmetic", "mixed")
+MAX_SEQ_LEN = {"arithmetic": 64, "mixed": 256}
 
 
 @dataclass(frozen=True)
@@ -107,8 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step (default 16)")
     p.add_argument(
-        "--max-seq-len", type=int, default=64, help="max tokens per sample / packed row (default 64)"
+        "--max-seq-len", type=int, default=None,
+        help="max tokens per sample / packed row (default 64; 256 with --data mixed)",
     )
+    p.add_argument("--data", choices=DATA, default="arithmetic",
+                   help="arithmetic lines (17-19 tokens) or mixed with guess-number games (up to 245)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both (default 2)")
     p.add_argument(
         "--repeats", type=int, default=3, help="runs per library and mode; medians reported (default 3)"
@@ -127,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "steadier figures on a machine that other processes keep busy",
     )
     args = p.parse_args(argv)
+    if args.max_seq_len is None:
+        args.max_seq_len = MAX_SEQ_LEN[args.data]
     for name in ("steps", "batch_size", "max_seq_len", "threads", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -141,14 +156,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- inputs
 
 
-def prepare_inputs(work: Path) -> tuple[Path, Path]:
-    """The tiny model folder and the arithmetic sft.jsonl, made fresh under `work`."""
+def prepare_inputs(work: Path, data: str = "arithmetic") -> tuple[Path, Path]:
+    """The tiny model folder and the SFT jsonl (`--data`), made fresh under `work`."""
+    import random
+
     from rollout.models.tiny import init_tiny_model
     from rollout.tasks.arithmetic import write_arithmetic_dataset
+    from rollout.tasks.guess_number import write_guess_number_data
 
     model_dir = init_tiny_model(work / "model", force=True)
-    data = write_arithmetic_dataset(work / "data")
-    return model_dir, data["sft"]
+    arithmetic = write_arithmetic_dataset(work / "data")["sft"]
+    if data == "arithmetic":
+        return model_dir, arithmetic
+    games = write_guess_number_data(work / "guess")["sft"]
+    lines = [line for path in (arithmetic, games) for line in path.read_text().splitlines() if line.strip()]
+    random.Random(0).shuffle(lines)
+    mixed = work / "mixed.jsonl"
+    mixed.write_text("\n".join(lines) + "\n")
+    return model_dir, mixed
 
 
 # --------------------------------------------------------------------------- rollout
@@ -362,7 +387,8 @@ def print_header(args: argparse.Namespace) -> None:
     import rollout
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print("SFT throughput: rollout vs TRL SFTTrainer (tiny Qwen2 ~1.05M params, arithmetic SFT, CPU)")
+    data = "arithmetic SFT" if args.data == "arithmetic" else "arithmetic + guess-number SFT, mixed lengths"
+    print(f"SFT throughput: rollout vs TRL SFTTrainer (tiny Qwen2 ~1.05M params, {data}, CPU)")
     print(
         f"  versions: rollout {rollout.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}, python {platform.python_version()}"
@@ -449,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str], list[Measurement]] = {(lib, m): [] for lib in runners for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="sft-throughput-") as tmp:
         work = Path(tmp)
-        model_dir, data_path = prepare_inputs(work)
+        model_dir, data_path = prepare_inputs(work, args.data)
         for repeat in range(args.repeats):
             # alternate who goes first, so a load change drifts onto both sides
             order = list(runners) if repeat % 2 == 0 else list(reversed(runners))

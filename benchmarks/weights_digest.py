@@ -7,8 +7,8 @@
 A refactor that claims "behaviour unchanged" must leave these digests
 byte-identical. The digests hold for one machine: CPU kernels differ in the
 last bits between CPUs (the baseline here was written on a 2-core AVX-512 VM on
-2026-11-23; on another machine, run the script on the commit before the change
-first and compare with that). The script makes the tiny model and the arithmetic data in a
+2026-11-26, after AdamW became torch's fused kernel, at 8cbba81; on another machine,
+run the script on the commit before the change first and compare with that). The script makes the tiny model and the arithmetic data in a
 temporary folder, then runs each example config from `examples/` through the
 real CLI (`rollout train <kind>`, one subprocess each) with its paths rewritten
 into that folder (as `tests/integration/conftest.py:example_config` does),

@@ -146,7 +146,7 @@ def test_the_store_evicts_the_least_recently_kept_over_its_byte_cap():
     store.put("c", entry(4))  # 12 tokens > 10: "a" goes
     assert store.take("a", tuple(range(9)), 0) is None
     assert store.take("b", tuple(range(9)), 0) is not None
-    store.put("d", entry(11))  # larger than the cap: not kept at all
+    assert not store.put("d", entry(11))  # larger than the cap: not kept at all
     assert len(store) == 1 and store.evicted == 2 and store.nbytes == 64 * 4
 
 
@@ -166,3 +166,20 @@ def test_the_store_hands_out_an_entry_once_and_only_for_its_version_and_tokens()
     store.put("run-1/1", entry(2))
     store.put("run-2/0", entry(2))
     assert store.release("run-1/") == 2 and len(store) == 1 and store.nbytes == 64 * 2
+
+
+def test_kept_cache_mb_zero_keeps_nothing_and_a_negative_size_is_refused(tiny_model_dir: Path):
+    from rollout.errors import ConfigError
+    from rollout.inference.build import build_engine
+    from rollout.inference.config import InferenceConfig, with_overrides
+    from rollout.inference.models import ResolvedModel
+
+    cfg = with_overrides(InferenceConfig(), kept_cache_mb=0, device="cpu")
+    engine = build_engine(cfg, ResolvedModel(str(tiny_model_dir), "tiny", fixed_identity=None))
+    second = first_turn(engine, "z/")
+    engine.generate([GenerationRequest(prompt_token_ids=p, params=SECOND, cache_key=f"z/{i}")
+                     for i, p in enumerate(second)])
+    assert engine.kept_cache_stats["kept"] == engine.kept_cache_stats["reused"] == 0
+    assert engine._kept.evicted == 8  # each finished row was too large for a 0-byte store
+    with pytest.raises(ConfigError, match="kept_cache_mb"):
+        with_overrides(InferenceConfig(), kept_cache_mb=-1)

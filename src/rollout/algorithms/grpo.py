@@ -38,6 +38,7 @@ from rollout.algorithms.rl_common import (
     max_completion_tokens,
     require_samples,
     resolve_reward_specs,
+    share_policy_weights,
     snapshot_rl,
 )
 from rollout.backends.torch_backend import pick_device
@@ -189,12 +190,15 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     loop = await restore_or_start(ctx, backend)
     source = BatchSource(manager, rollout_engine.weight_sync, pipelined=s.off_policy_steps == 1)
     version = source.restore(loop) if ctx.resume_from is not None else 0
+    shared = share_policy_weights(rollout_engine, model, pipelined=source.pipelined, lora=s.lora is not None,
+                                  distributed=ctx.dist.active)
 
     extra = snapshot_extra(cfg, model_class="causal_lm")
     rec.event(
         "train_start", algorithm="grpo", total_steps=total_steps, start_step=loop.step, device=str(device),
         num_prompts=len(data), num_skipped_lines=report.num_skipped, rewards=[n for n, _, _ in reward_fns],
-        pipelined=source.pipelined, resumed_from=ctx.resume_from.id if ctx.resume_from else None,
+        pipelined=source.pipelined, engine_shares_weights=shared,
+        resumed_from=ctx.resume_from.id if ctx.resume_from else None,
     )
 
     pad_id = tokenizer.pad_token_id

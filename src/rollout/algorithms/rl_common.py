@@ -33,6 +33,7 @@ from rollout.errors import AlgorithmError, ConfigError
 from rollout.inference.build import build_engine as build_configured_engine
 from rollout.inference.config import InferenceConfig
 from rollout.inference.hf_engine import BATCH_INVARIANT_PAD, load_hf_engine
+from rollout.inference.kept_cache import DEFAULT_KEPT_CACHE_BYTES
 from rollout.inference.models import ResolvedModel
 from rollout.inference.sampler import EngineSampler
 from rollout.inference.types import InferenceEngine
@@ -192,8 +193,25 @@ def build_engine(
         base_model.uri, dtype=base_model.dtype, device=str(device), max_batch_size=max_batch,
         trust_remote_code=base_model.trust_remote_code,
         pad_multiple=BATCH_INVARIANT_PAD if batch_invariant else 1,
+        kept_cache_bytes=inference.kept_cache_mb << 20 if inference is not None else DEFAULT_KEPT_CACHE_BYTES,
     )
     return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
+
+
+def share_policy_weights(
+    rollout_engine: Any, policy: torch.nn.Module, *, pipelined: bool, lora: bool, distributed: bool
+) -> bool:
+    """Let the in-process hf engine sample with the policy's own parameters (no second copy, no
+    copying push) where that is safe: on-policy (generation never overlaps an optimizer step), one
+    process, no LoRA (the engine gets merged weights, which are a copy). The samples are the same
+    as with a copy: the engine computes with the same values. True when the engine now shares."""
+    engine = getattr(rollout_engine, "engine", None)
+    share = getattr(engine, "share_parameters", None)
+    if pipelined or lora or distributed or share is None:
+        return False
+    if not isinstance(getattr(rollout_engine, "weight_sync", None), InProcessWeightSync):
+        return False
+    return bool(share(policy))
 
 
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:

@@ -85,4 +85,5 @@ def build_engine(cfg: InferenceConfig, resolved: ResolvedModel) -> InferenceEngi
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
         model_name=resolved.name,
+        kept_cache_bytes=cfg.kept_cache_mb << 20,
     )

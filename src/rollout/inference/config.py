@@ -93,6 +93,11 @@ class InferenceConfig(_Strict):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="hf: attention kernel.")
     max_batch_size: int = Field(32, ge=1, le=4096, description="Most sequences decoded together.")
     max_model_len: int | None = Field(None, ge=2, description="Context limit; default: the model's.")
+    kept_cache_mb: int = Field(
+        1024, ge=0, le=1 << 20,
+        description="hf: memory (on the model's device) for the KV caches kept between the turns of"
+        " multi-turn episodes, so a turn prefills only its new tokens; 0 keeps none.",
+    )
     threads: int | None = Field(None, ge=1, le=1024, description="hf on CPU: torch intra-op threads.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder.")
     base_url: str | None = Field(None, description="openai: e.g. http://127.0.0.1:8000/v1")

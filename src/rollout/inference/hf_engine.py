@@ -91,6 +91,7 @@ def load_hf_engine(
     trust_remote_code: bool = False,
     model_name: str | None = None,
     pad_multiple: int = 1,
+    kept_cache_bytes: int = DEFAULT_KEPT_CACHE_BYTES,
 ) -> HFEngine:
     """Load a causal LM and its tokenizer from a folder (or a hub id when online) into an `HFEngine`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +115,7 @@ def load_hf_engine(
     name = model_name or Path(str(model_path)).name or str(model_path)
     return HFEngine(
         model, tokenizer, model_name=name, max_batch_size=max_batch_size, max_model_len=max_model_len,
-        pad_multiple=pad_multiple,
+        pad_multiple=pad_multiple, kept_cache_bytes=kept_cache_bytes,
     )
 
 
@@ -252,12 +253,35 @@ class HFEngine:
         # What load_state_dict(strict=False) does for these tensors (copy_ under no_grad, converting
         # dtype and device), without its walk over every module: ~1 ms instead of ~2-7 ms per push
         # on the tiny model, which GRPO pays every step (benchmarks/README.md, grpo_step.py).
+        # A tensor that already is the live one's storage (`share_parameters`) needs no copy.
         with self._lock, torch.no_grad():
             for name, value in state.items():
-                current[name].copy_(value)
+                live = current[name]
+                if value.data_ptr() != live.data_ptr() or value.dtype != live.dtype or value.device != live.device:
+                    live.copy_(value)
             self._weights_version += 1
             self._kept.clear()  # computed with the old weights
             return self._weights_version
+
+    def share_parameters(self, model: torch.nn.Module) -> bool:
+        """Make the live model's parameters use `model`'s storage (a trainer's policy of the same
+        architecture, dtype and device): no second copy of the weights, and a push of `model`'s own
+        tensors (`update_weights`) copies nothing. The trainer must not step the optimizer while this
+        engine generates (on-policy RL: generate, then train) and must still call `update_weights`
+        after each step, which marks the new weights (version, kept caches). False, and nothing
+        changed, when the parameters' names, shapes, dtypes or devices differ."""
+        mine, theirs = dict(self.model.named_parameters()), dict(model.named_parameters())
+        if mine.keys() != theirs.keys() or any(
+            (p.shape, p.dtype, p.device) != (theirs[k].shape, theirs[k].dtype, theirs[k].device)
+            for k, p in mine.items()
+        ):
+            return False
+        with self._lock, torch.no_grad():
+            for name, param in mine.items():
+                param.data = theirs[name].data
+            self._weights_version += 1
+            self._kept.clear()
+        return True
 
     def close(self) -> None:
         """Nothing to release beyond the model itself (garbage collected)."""
@@ -472,8 +496,10 @@ class HFSession:
             for layer in self.cache.layers
         )
         with self.engine._lock:
-            if job.weights_version == self.engine.weights_version:  # not computed across a weight update
-                self.engine._kept.put(key, KeptCache(tokens, layers, job.weights_version))
+            # not computed across a weight update
+            if job.weights_version == self.engine.weights_version and self.engine._kept.put(
+                key, KeptCache(tokens, layers, job.weights_version)
+            ):
                 self.engine.kept_cache_stats["kept"] += 1
 
     def step(self) -> list[tuple[GenerationRequest, tuple[Completion, ...]]]:

@@ -69,19 +69,21 @@ class KeptCacheStore:
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, key: str, entry: KeptCache) -> None:
-        """Keep `entry` under `key` (replacing any), then drop the oldest entries over the cap."""
+    def put(self, key: str, entry: KeptCache) -> bool:
+        """Keep `entry` under `key` (replacing any), then drop the oldest entries over the cap;
+        False when `entry` alone is over the cap (not kept)."""
         self._pop(key)
         size = entry.nbytes
         if size > self.max_bytes:
             self.evicted += 1
-            return
+            return False
         self._entries[key] = entry
         self._bytes += size
         while self._bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
             self.evicted += 1
+        return True
 
     def take(self, key: str, prompt_ids: tuple[int, ...], weights_version: int) -> KeptCache | None:
         """Remove and return the entry under `key` when `prompt_ids` extends its tokens by at least one
