@@ -21,8 +21,9 @@ Rows are left-padded; position ids count each row's real tokens, so padding
 never shifts a row's positions and the cache of two batches can be merged by
 left-padding the shorter one. A request with a `cache_key` keeps its finished
 row's cache in the engine, and the conversation's next turn prefills only its
-new tokens on top of it (`kept_cache.py`, `HFSession._prefill_kept`). The log-prob of each sampled token is the
-log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32
+new tokens on top of it (`kept_cache.py`, `HFSession._prefill_kept`).
+
+The log-prob of each sampled token is the log-softmax of the raw (unfiltered, temperature-1) logits, computed in float32
 (of the logits divided by the row's temperature when it asks for `tempered_logprobs`).
 
 One module of ~600 lines on purpose: the engine, its decode session and the
@@ -439,15 +440,12 @@ class HFSession:
             ids[i, new_width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long, device=device)
             positions[i, new_width - len(tokens) :] = torch.arange(n, n + len(tokens), device=device)
         cache = DynamicCache(config=self.engine.model.config)
+        pads = [kept_width - n for n in kept_lens]
         with torch.inference_mode():
-            for layer_index, layer in enumerate(cache.layers):
-                parts = [
-                    entry.layers[layer_index] for _, entry in pairs
-                ]  # (keys, values), each (kv_heads, n, head_dim)
-                layer.update(
-                    torch.stack([_left_pad(k, kept_width - n, 1) for (k, _), n in zip(parts, kept_lens, strict=True)]),
-                    torch.stack([_left_pad(v, kept_width - n, 1) for (_, v), n in zip(parts, kept_lens, strict=True)]),
-                )
+            for i, layer in enumerate(cache.layers):  # each entry's (keys, values): (kv_heads, n, head_dim)
+                keys = torch.stack([_left_pad(e.layers[i][0], pad, 1) for (_, e), pad in zip(pairs, pads, strict=True)])
+                values = torch.stack([_left_pad(e.layers[i][1], pad, 1) for (_, e), pad in zip(pairs, pads, strict=True)])
+                layer.update(keys, values)
         cache, logits = self._forward(ids, mask, positions, cache=cache)
         stats = self.engine.kept_cache_stats
         stats["reused"] += len(pairs)
