@@ -3,11 +3,16 @@ scripts run as `python benchmarks/<name>.py`, which puts this folder on sys.path
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def no_activation_checkpointing(config_cls: type) -> dict[str, bool]:
@@ -26,3 +31,47 @@ def quiet_stderr() -> Iterator[None]:
     except BaseException:
         sys.stderr.write(buf.getvalue())
         raise
+
+
+# Model sizes the scripts can make with `init_tiny_model` (random weights, the tiny tokenizer).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},  # ~1.05M params: the tiny Qwen2 every CPU figure uses
+    "mid": dict(  # ~48M
+        hidden_size=640, num_layers=10, num_heads=10, num_kv_heads=5, intermediate_size=1792, vocab_size=2048
+    ),
+    "large": dict(  # ~190M: enough work per step for a GPU figure to mean something
+        hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816, vocab_size=2048
+    ),
+}
+# bf16 dense matrix rate of one H100/H200 SXM (datasheet, no sparsity): the MFU denominator on CUDA
+PEAK_BF16_FLOPS = 989e12
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, held equal for both libraries (CPU float32 by default)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both run (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and math for both (default float32; bfloat16: TRL bf16=True on a bf16-loaded model)",
+    )
+
+
+def trl_precision(args: argparse.Namespace) -> dict[str, bool]:
+    """TRL/transformers TrainingArguments fields for `--device` / `--dtype`."""
+    bf16 = args.dtype == "bfloat16"
+    return {"bf16": bf16, "fp16": False, "use_cpu": args.device == "cpu"}
+
+
+def torch_dtype(args: argparse.Namespace) -> torch.dtype:
+    import torch
+
+    return getattr(torch, args.dtype)
+
+
+def mfu(tokens_per_s: float, n_params: int, device: str) -> str:
+    """Model FLOPs utilisation of a training run (6 N FLOPs per token; attention left out), CUDA only."""
+    if device != "cuda":
+        return ""
+    return f", MFU {6 * n_params * tokens_per_s / PEAK_BF16_FLOPS:.1%} of 989 TFLOP/s"

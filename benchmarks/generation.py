@@ -36,12 +36,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-MODELS = {
-    "tiny": {},
-    "mid": dict(
-        hidden_size=640, num_layers=10, num_heads=10, num_kv_heads=5, intermediate_size=1792, vocab_size=2048
-    ),
-}
+from bench_common import MODEL_SIZES as MODELS
+from bench_common import add_precision_args, torch_dtype
+
 CONCURRENCY = (1, 8, 32)
 
 
@@ -59,11 +56,15 @@ class Result:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="tiny,mid", help="comma-separated subset of tiny,mid (default both)")
+    p.add_argument(
+        "--models", default="tiny,mid", help="comma-separated subset of tiny,mid,large (default tiny,mid)"
+    )
     p.add_argument("--prompts", type=int, default=32, help="prompts for (a)-(c) (default 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--mid-prompts", type=int, default=16, help="prompts for the mid model (default 16)")
-    p.add_argument("--mid-max-tokens", type=int, default=16, help="tokens per prompt, mid model (default 16)")
+    p.add_argument("--mid-prompts", type=int, default=16, help="prompts for mid/large (default 16)")
+    p.add_argument("--mid-max-tokens", type=int, default=16, help="tokens per prompt, mid/large (default 16)")
+    p.add_argument("--no-server", action="store_true", help="leave out (d), the server")
+    add_precision_args(p)
     p.add_argument(
         "--requests-per-client", type=int, default=2, help="server: requests per client (default 2)"
     )
@@ -118,16 +119,18 @@ def count_params(model_dir: Path) -> float:
 
 
 def bench_hf_generate(
-    model_dir: Path, prompts: list[str], max_tokens: int, *, batched: bool
+    model_dir: Path, prompts: list[str], max_tokens: int, args: argparse.Namespace, *, batched: bool
 ) -> tuple[int, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(args), attn_implementation="sdpa")
+        .to(args.device)
+        .eval()
+    )
     kwargs = dict(
         do_sample=True,
         temperature=1.0,
@@ -139,9 +142,11 @@ def bench_hf_generate(
     )
 
     def run(batch: list[str]) -> int:
-        enc = tok(batch, return_tensors="pt", padding=True)
+        enc = tok(batch, return_tensors="pt", padding=True).to(args.device)
         with torch.inference_mode():
             out = model.generate(**enc, **kwargs)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         return int((out.shape[1] - enc["input_ids"].shape[1]) * len(batch))
 
     torch.manual_seed(0)
@@ -154,11 +159,15 @@ def bench_hf_generate(
 # --------------------------------------------------------------------------- (c): rollout's engine
 
 
-def bench_engine(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+def bench_engine(
+    model_dir: Path, prompts: list[str], max_tokens: int, args: argparse.Namespace
+) -> tuple[int, float]:
     from rollout.inference import SamplingParams
     from rollout.inference.hf_engine import load_hf_engine
 
-    engine = load_hf_engine(model_dir, max_batch_size=max(32, len(prompts)))
+    engine = load_hf_engine(
+        model_dir, dtype=args.dtype, device=args.device, max_batch_size=max(32, len(prompts))
+    )
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     engine.generate(prompts[:2], params)  # warm-up
     t0 = time.perf_counter()
@@ -258,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     print(
-        f"generation benchmark: torch {torch.__version__}, {args.threads} thread(s), cpu count {os.cpu_count()},"
+        f"generation benchmark: torch {torch.__version__}, {args.threads} thread(s), cpu count {os.cpu_count()}, "
+        f"{args.device} {args.dtype},"
         " sampling at temperature 1, eos suppressed; tokens/s = generated tokens / wall seconds",
         flush=True,
     )
@@ -275,13 +285,14 @@ def main(argv: list[str] | None = None) -> None:
             ("(b) model.generate, whole batch", partial(bench_hf_generate, batched=True)),
             ("(c) rollout hf engine", bench_engine),
         ):
-            tokens, seconds = fn(model_dir, prompts, max_tokens)
+            tokens, seconds = fn(model_dir, prompts, max_tokens, args)
             results.append(Result(name, method, tokens, seconds))
             print(
                 f"  {method:<34} {tokens:>6} tokens {seconds:>8.2f} s {tokens / seconds:>9.1f} tok/s",
                 flush=True,
             )
-        for clients, (tokens, seconds) in bench_server(model_dir, prompts, max_tokens, args).items():
+        served = {} if args.no_server else bench_server(model_dir, prompts, max_tokens, args)
+        for clients, (tokens, seconds) in served.items():
             method = f"(d) server, {clients} client{'s' if clients > 1 else ''}"
             results.append(Result(name, method, tokens, seconds))
             print(
@@ -303,6 +314,12 @@ def print_summary(results: list[Result]) -> None:
             if r.model == model
         }
         naive, batched, engine = by["(a)"], by["(b)"], by["(c)"]
+        if "(d)1 client" not in by:
+            print(
+                f"{model}: engine / naive loop = {engine / naive:.1f}x; "
+                f"engine / batched generate = {engine / batched:.2f}x"
+            )
+            continue
         one, many = by["(d)1 client"], by["(d)32 clients"]
         print(
             f"{model}: engine / naive loop = {engine / naive:.1f}x (target >= 3x); "

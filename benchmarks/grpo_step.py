@@ -88,7 +88,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_common import no_activation_checkpointing, quiet_stderr
+from bench_common import (
+    MODEL_SIZES,
+    add_precision_args,
+    no_activation_checkpointing,
+    quiet_stderr,
+    torch_dtype,
+    trl_precision,
+)
 
 LR = 1e-3
 CLIP = 0.2
@@ -135,6 +142,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="start from this SFT-warmed model folder (e.g. local/models/sft-warmup) instead of making one",
     )
+    p.add_argument(
+        "--model",
+        choices=tuple(MODEL_SIZES),
+        default="tiny",
+        help="tiny (default): SFT-warmed as above; mid ~48M / large ~190M: random weights, no warm-up "
+        "(rewards stay ~0 and every completion runs to --max-tokens: a step-time figure only, for --device cuda)",
+    )
+    add_precision_args(p)
     p.add_argument(
         "--omp-passive",
         action="store_true",
@@ -229,6 +244,9 @@ def prepare_inputs(work: Path, args: argparse.Namespace) -> tuple[Path, Path, Pa
     from rollout.config import load_config
     from rollout.models.tiny import init_tiny_model
 
+    if args.model != "tiny":
+        return init_tiny_model(work / args.model, **MODEL_SIZES[args.model]), data["prompts"], data["eval_prompts"]
+
     tiny = init_tiny_model(work / "tiny", force=True)
     sft_work = work / "sft-warmup-run"
     sft_work.mkdir()
@@ -301,7 +319,7 @@ name = "arithmetic_correct"
 weight = 1.0
 [algorithm.grpo.base_model]
 uri = "{model_dir}"
-dtype = "float32"
+dtype = "{dtype}"
 [algorithm.grpo.optimizer]
 kind = "adamw"
 lr = {lr}
@@ -322,7 +340,7 @@ keep_last = 1
 
 [backend]
 kind = "torch"
-device = "cpu"
+device = "{device}"
 num_threads = {threads}
 
 [distributed]
@@ -359,6 +377,8 @@ def run_rollout(
             lr=LR,
             steps=args.steps,
             threads=args.threads,
+            dtype=args.dtype,
+            device=args.device,
         )
     )
     result = train_grpo(load_config(config_path))
@@ -440,9 +460,7 @@ def run_trl(
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
+        **trl_precision(args),
         dataloader_num_workers=0,
         report_to=[],
         logging_steps=10 * args.steps,
@@ -450,7 +468,7 @@ def run_trl(
         disable_tqdm=True,
         **no_activation_checkpointing(GRPOConfig),
     )
-    load = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    load = {"dtype": torch_dtype(args), "attn_implementation": "sdpa"}
     policy = AutoModelForCausalLM.from_pretrained(model_dir, **load)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(
@@ -466,7 +484,7 @@ def run_trl(
     gen = trainer.generation_config
     assert gen.do_sample and gen.temperature == 1.0 and gen.top_k in (0, None) and gen.top_p == 1.0, gen
     assert gen.max_new_tokens == args.max_tokens, gen
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa"
+    assert model.dtype == torch_dtype(args) and model.config._attn_implementation == "sdpa"
     checkpointing = "is_activation_checkpointing"
     if not hasattr(type(model), checkpointing):
         checkpointing = "is_gradient_checkpointing"
@@ -496,9 +514,12 @@ def run_trl(
     trainer._generate_single_turn = timed_generate  # type: ignore[method-assign]
     trainer._generate_and_score_completions = timed_generate_and_score  # type: ignore[method-assign]
     marks: dict[int, float] = {}
+    cuda = args.device == "cuda"
 
     class StepClock(TrainerCallback):
         def on_step_end(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if cuda and state.global_step in (args.warmup_steps, args.steps):
+                torch.cuda.synchronize()  # the window's two ends only
             marks[state.global_step] = time.time()
 
     trainer.add_callback(StepClock())
@@ -531,8 +552,11 @@ def print_header(args: argparse.Namespace) -> None:
     import rollout
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    model = args.model_dir or "SFT-warmed tiny Qwen2 ~1.05M params"
-    print(f"GRPO step time: rollout vs TRL GRPOTrainer ({model}, arithmetic prompts, CPU)")
+    model = args.model_dir or (
+        "SFT-warmed tiny Qwen2 ~1.05M params" if args.model == "tiny" else f"random {args.model} Qwen2"
+    )
+    where = "CPU" if args.device == "cpu" else f"CUDA {torch.cuda.get_device_name()}"
+    print(f"GRPO step time: rollout vs TRL GRPOTrainer ({model}, arithmetic prompts, {where})")
     print(
         f"  versions: rollout {rollout.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}, python {platform.python_version()}"
@@ -545,7 +569,7 @@ def print_header(args: argparse.Namespace) -> None:
     )
     print(
         f"  both: temperature 1, clip eps {CLIP}, beta 0, 1 iteration, group-std advantages, token-mean loss, "
-        f"no dynamic sampling, AdamW lr {LR:g} constant, clip-norm 1.0, float32, sdpa; repeat r uses seed r"
+        f"no dynamic sampling, AdamW lr {LR:g} constant, clip-norm 1.0, {args.dtype}, sdpa; repeat r uses seed r"
     )
     print(
         "  s/step = wall seconds / timed steps; reward = mean sampled reward (is_correct) of the first / last "
@@ -626,9 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="grpo-step-") as tmp:
         work = Path(tmp)
         model_dir, prompts_path, eval_path = prepare_inputs(work, args)
-        with quiet_stderr():  # the weight-loading progress bar
-            accuracy = greedy_eval_accuracy(model_dir, eval_path)
-        print(f"start model: greedy accuracy {accuracy:.3f} on eval_prompts.jsonl\n", flush=True)
+        if args.model == "tiny" or args.model_dir is not None:
+            with quiet_stderr():  # the weight-loading progress bar
+                accuracy = greedy_eval_accuracy(model_dir, eval_path)
+            print(f"start model: greedy accuracy {accuracy:.3f} on eval_prompts.jsonl\n", flush=True)
         for repeat in range(args.repeats):
             # alternate the order, so a load change drifts onto every run
             order = list(runners) if repeat % 2 == 0 else list(reversed(runners))

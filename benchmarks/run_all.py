@@ -232,11 +232,12 @@ def job_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts_n, tokens = GEN_PROMPTS[0 if args.quick else 1], GEN_TOKENS[0 if args.quick else 1]
     model_dir = gen.make_model(ROOT / "local" / "bench-generation", "mid")
     prompts = gen.make_prompts(prompts_n)
+    precision = gen.parse_args([])  # CPU, float32
 
     def side(fn: Any) -> Any:
         def call(repeat: int) -> tuple[float, dict[str, float]]:
             with gen_quiet():
-                n, seconds = fn(model_dir, prompts, tokens)
+                n, seconds = fn(model_dir, prompts, tokens, precision)
             return n / seconds, {"tokens": n}
         return call
 

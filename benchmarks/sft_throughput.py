@@ -63,6 +63,12 @@ arithmetic lines alone are 17-19 tokens, so padding them wastes almost nothing
 and packing can only win by its larger rows; mixed lengths are what SFT data
 usually looks like, and where padded batches spend most of their compute on pad.
 
+`--device cuda --dtype bfloat16 --model large` (a lent GPU, not CI): the same
+comparison in bf16 on a ~190M random Qwen2 (TRL `bf16=True`, `use_cpu=False`, its
+model loaded in bf16; rollout `dtype = "bfloat16"`, `device = "cuda"`), with the
+model FLOPs utilisation (6 x params x tok/s over 989 TFLOP/s bf16 dense). The TRL
+side synchronises the device at the two ends of the timed window only.
+
 Both runs must learn: the mean training loss of the last 20 steps is printed for
 each. The libraries shuffle with their own samplers, so the values differ by a few
 hundredths (padded) to about a tenth (packed, few loss tokens per step).
@@ -86,7 +92,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_common import no_activation_checkpointing, quiet_stderr
+from bench_common import (
+    MODEL_SIZES,
+    add_precision_args,
+    mfu,
+    no_activation_checkpointing,
+    quiet_stderr,
+    torch_dtype,
+    trl_precision,
+)
 
 LR = 1e-3
 SEED = 0
@@ -134,6 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of padded,packed")
     p.add_argument(
+        "--model", choices=tuple(MODEL_SIZES), default="tiny",
+        help="random Qwen2 to train: tiny ~1.05M (default), mid ~48M, large ~190M (for --device cuda)",
+    )
+    add_precision_args(p)
+    p.add_argument(
         "--omp-passive",
         action="store_true",
         help="set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep instead of spinning): "
@@ -156,15 +175,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- inputs
 
 
-def prepare_inputs(work: Path, data: str = "arithmetic") -> tuple[Path, Path]:
-    """The tiny model folder and the SFT jsonl (`--data`), made fresh under `work`."""
+def prepare_inputs(work: Path, data: str = "arithmetic", model: str = "tiny") -> tuple[Path, Path]:
+    """The model folder (`--model`) and the SFT jsonl (`--data`), made fresh under `work`."""
     import random
 
     from rollout.models.tiny import init_tiny_model
     from rollout.tasks.arithmetic import write_arithmetic_dataset
     from rollout.tasks.guess_number import write_guess_number_data
 
-    model_dir = init_tiny_model(work / "model", force=True)
+    model_dir = init_tiny_model(work / "model", force=True, **MODEL_SIZES[model])
     arithmetic = write_arithmetic_dataset(work / "data")["sft"]
     if data == "arithmetic":
         return model_dir, arithmetic
@@ -198,7 +217,7 @@ gradient_accumulation = 1
 max_grad_norm = 1.0
 [algorithm.sft.base_model]
 uri = "{model_dir}"
-dtype = "float32"
+dtype = "{dtype}"
 [algorithm.sft.optimizer]
 kind = "adamw"
 lr = {lr}
@@ -221,7 +240,7 @@ keep_last = 1
 
 [backend]
 kind = "torch"
-device = "cpu"
+device = "{device}"
 num_threads = {threads}
 
 [distributed]
@@ -251,6 +270,8 @@ def run_rollout(
             max_seq_len=args.max_seq_len,
             loss_on=args.loss_on,
             threads=args.threads,
+            dtype=args.dtype,
+            device=args.device,
         )
     )
     result = train_sft(load_config(config_path))
@@ -305,22 +326,20 @@ def run_trl(
         adam_beta2=0.999,
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
+        **trl_precision(args),
         dataloader_num_workers=0,
         report_to=[],
         logging_strategy="no",
         save_strategy="no",
         disable_tqdm=True,
-        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        model_init_kwargs={"dtype": torch_dtype(args), "attn_implementation": "sdpa"},
         **no_activation_checkpointing(SFTConfig),
     )
     trainer = SFTTrainer(model=str(model_dir), args=config, train_dataset=dataset)
     trainer.remove_callback(PrinterCallback)  # the end-of-train summary dict
     model = trainer.model
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa", (
-        "TRL model is not fp32/sdpa"
+    assert model.dtype == torch_dtype(args) and model.config._attn_implementation == "sdpa", (
+        f"TRL model is not {args.dtype}/sdpa"
     )
     checkpointing = "is_activation_checkpointing"  # transformers 5 name; is_gradient_checkpointing before
     if not hasattr(type(model), checkpointing):
@@ -341,10 +360,13 @@ def run_trl(
 
     trainer.compute_loss = recording_compute_loss  # type: ignore[method-assign]
     marks: dict[int, tuple[float, int]] = {}
+    cuda = args.device == "cuda"
 
     class StepClock(TrainerCallback):
         def on_step_end(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            marks[state.global_step] = (time.time(), counter.tokens)
+            if cuda and state.global_step in (args.warmup_steps, args.steps):
+                torch.cuda.synchronize()  # the window's two ends only: no extra sync inside it
+            marks[state.global_step] = (time.time(), len(counter.counts))
 
     trainer.add_callback(StepClock())
     torch.set_num_threads(args.threads)
@@ -352,17 +374,20 @@ def run_trl(
     first, last = args.warmup_steps, args.steps
     assert max(marks) == last and len(losses) == last, f"TRL ran {max(marks)} steps, {len(losses)} losses"
     return Measurement(
-        tokens=marks[last][1] - marks[first][1],
+        tokens=counter.total(marks[first][1], marks[last][1]),
         seconds=marks[last][0] - marks[first][0],
-        final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).mean()),
+        final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).float().mean()),
     )
 
 
 class _TokenCounter:
-    """Counts non-pad input tokens of every training forward."""
+    """Counts non-pad input tokens of every training forward (kept as tensors: no sync per step)."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.counts: list[object] = []
+
+    def total(self, start: int, end: int) -> int:
+        return sum(int(c) for c in self.counts[start:end])
 
     def hook(self, module: object, args: tuple, kwargs: dict) -> None:
         if not getattr(module, "training", False):
@@ -371,7 +396,7 @@ class _TokenCounter:
         ids = kwargs["input_ids"]
         # padding-free (packed) batches carry no attention_mask and no padding
         # (pad_to_multiple_of is None off Neuron): every token is real.
-        self.tokens += int(mask.sum()) if mask is not None else ids.numel()
+        self.counts.append(mask.sum() if mask is not None else ids.numel())
 
 
 # --------------------------------------------------------------------------- report
@@ -388,7 +413,11 @@ def print_header(args: argparse.Namespace) -> None:
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     data = "arithmetic SFT" if args.data == "arithmetic" else "arithmetic + guess-number SFT, mixed lengths"
-    print(f"SFT throughput: rollout vs TRL SFTTrainer (tiny Qwen2 ~1.05M params, {data}, CPU)")
+    where = "CPU" if args.device == "cpu" else f"CUDA {torch.cuda.get_device_name()}"
+    print(
+        f"SFT throughput: rollout vs TRL SFTTrainer ({args.model} Qwen2 {args.n_params / 1e6:.2f}M params, "
+        f"{data}, {where})"
+    )
     print(
         f"  versions: rollout {rollout.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}, python {platform.python_version()}"
@@ -400,7 +429,7 @@ def print_header(args: argparse.Namespace) -> None:
         f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
     print(
-        "  both: float32, sdpa, no grad checkpointing, AdamW lr 1e-3 constant, no warmup, clip 1.0, seed 0, "
+        f"  both: {args.dtype}, sdpa, no grad checkpointing, AdamW lr 1e-3 constant, no warmup, clip 1.0, seed 0, "
         "no grad accumulation, no logging/saving inside the timed window"
     )
     print("  tok/s = non-pad input tokens / wall seconds over the timed steps; median over repeats")
@@ -424,7 +453,7 @@ def print_header(args: argparse.Namespace) -> None:
     )
 
 
-def print_table(results: dict[tuple[str, str], list[Measurement]], modes: list[str]) -> None:
+def print_table(results: dict[tuple[str, str], list[Measurement]], args: argparse.Namespace) -> None:
     """ratio = median rollout tok/s / median TRL tok/s; pairs = median of the per-repeat ratios
     (each pair runs back to back, so a load change between repeats cancels out better)."""
     print()
@@ -433,7 +462,7 @@ def print_table(results: dict[tuple[str, str], list[Measurement]], modes: list[s
         f"{'ratio per repeat':<18} | loss rollout / TRL"
     )
     print("-" * 96)
-    for mode in modes:
+    for mode in args.modes:
         ours, theirs = results[("rollout", mode)], results[("trl", mode)]
         ours_tps = statistics.median(m.tokens_per_s for m in ours)
         theirs_tps = statistics.median(m.tokens_per_s for m in theirs)
@@ -445,6 +474,11 @@ def print_table(results: dict[tuple[str, str], list[Measurement]], modes: list[s
             f"{mode:<7} | {ours_tps:>13,.0f} | {theirs_tps:>9,.0f} | {ours_tps / theirs_tps:>4.2f}x | "
             f"{statistics.median(pairs):>4.2f}x | {per_repeat:<18} | {ours_loss:.3f} / {theirs_loss:.3f}"
         )
+    if args.device == "cuda":
+        for mode in args.modes:
+            for lib in ("rollout", "trl"):
+                tps = statistics.median(m.tokens_per_s for m in results[(lib, mode)])
+                print(f"{mode} {lib}: {tps:,.0f} tok/s{mfu(tps, args.n_params, args.device)} (6 N per token)")
     print(
         "ratio: of the medians; pairs: median of the per-repeat ratios; "
         f"loss: mean training loss of the last {LOSS_WINDOW} steps"
@@ -467,15 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
     import transformers
 
+    from rollout.models.tiny import count_saved_parameters
+
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    print_header(args)
-
     runners = {"rollout": run_rollout, "trl": run_trl}
     results: dict[tuple[str, str], list[Measurement]] = {(lib, m): [] for lib in runners for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="sft-throughput-") as tmp:
         work = Path(tmp)
-        model_dir, data_path = prepare_inputs(work, args.data)
+        model_dir, data_path = prepare_inputs(work, args.data, args.model)
+        args.n_params = count_saved_parameters(model_dir)
+        print_header(args)
         for repeat in range(args.repeats):
             # alternate who goes first, so a load change drifts onto both sides
             order = list(runners) if repeat % 2 == 0 else list(reversed(runners))
@@ -492,11 +528,12 @@ def main(argv: list[str] | None = None) -> int:
                     results[(lib, mode)].append(m)
                     print(
                         f"repeat {repeat + 1}/{args.repeats} {mode:<6} {lib:<7} {m.tokens_per_s:>9,.0f} tok/s "
-                        f"({m.tokens:,} tokens in {m.seconds:.2f}s), final loss {m.final_loss:.3f}, "
+                        f"({m.tokens:,} tokens in {m.seconds:.2f}s{mfu(m.tokens_per_s, args.n_params, args.device)}), "
+                        f"final loss {m.final_loss:.3f}, "
                         f"load {os.getloadavg()[0]:.1f}",
                         flush=True,
                     )
-    print_table(results, args.modes)
+    print_table(results, args)
     return 0
 
 

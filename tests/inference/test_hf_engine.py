@@ -41,9 +41,9 @@ def varied(params: SamplingParams) -> list[GenerationRequest]:
 def teacher_forced_logprobs(model, prompt_ids, token_ids, temperature: float = 1.0) -> torch.Tensor:
     """log p(token_i | prompt, tokens_<i) from one unpadded forward pass over prompt + completion,
     under softmax(logits / temperature)."""
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=model.device)
     with torch.no_grad():
-        logprobs = (model(input_ids=ids).logits[0].float() / temperature).log_softmax(-1)
+        logprobs = (model(input_ids=ids).logits[0].float().cpu() / temperature).log_softmax(-1)
     start = len(prompt_ids) - 1
     return (
         logprobs[start : start + len(token_ids)].gather(-1, torch.tensor(token_ids).unsqueeze(-1)).squeeze(-1)

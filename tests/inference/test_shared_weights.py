@@ -22,7 +22,7 @@ def sample(engine) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
 def train_step(model) -> None:
     """One AdamW step on a next-token loss: the parameters change in place, as in a trainer."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    ids = torch.tensor([list(PROMPTS[1])])
+    ids = torch.tensor([list(PROMPTS[1])], device=model.device)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
 
@@ -30,9 +30,9 @@ def train_step(model) -> None:
 def test_a_shared_engine_samples_what_a_copy_samples_and_pushes_copy_nothing(tiny_model_dir: Path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     shared = load_hf_engine(tiny_model_dir, model_name="shared")
     copied = load_hf_engine(tiny_model_dir, model_name="copied")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(shared.model.device).train()
     assert shared.share_parameters(policy)
     for name, param in shared.model.named_parameters():
         assert param.data_ptr() == dict(policy.named_parameters())[name].data_ptr()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One pass on a lent CUDA machine (never CI): the bench table in bf16 against TRL, then the suite's
+# fast directories on CUDA (their `device = "auto"` picks the GPU). Run from the repository root with a
+# python3 that has a CUDA torch; the other packages come from wheels in .whl/ when that folder exists
+# (benchmarks/README.md, "On a GPU", says how to fetch them). Logs go to $OUT (or local/gpu-bench);
+# each step has its own time limit, so one failure leaves the others' figures.
+#
+#     bash benchmarks/gpu.sh            # ~8 minutes on one H100/H200
+set -u
+out=${OUT:-local/gpu-bench}
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD/src
+else
+    export PYTHONPATH=$PWD/src
+fi
+started=$(date +%s)
+
+step() {  # step NAME LIMIT_S COMMAND...: run, keep the whole log under $out, print its tail
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    echo "== $name (limit ${limit}s, $(( $(date +%s) - started ))s in)"
+    t0=$(date +%s)
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "   exit $rc after $(( $(date +%s) - t0 ))s"
+    tail -n "${TAIL:-18}" "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import sys, torch, transformers, trl; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'transformers', transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
+
+common=(--device cuda --dtype bfloat16 --threads 4)
+step generation "${GEN_S:-80}" python3 benchmarks/generation.py --models mid,large --mid-prompts 32 \
+    --mid-max-tokens 64 --no-server --work-dir /tmp/gpu-bench-models "${common[@]}"
+step sft "${SFT_S:-170}" python3 benchmarks/sft_throughput.py --model large --data mixed --batch-size 32 \
+    --steps 40 --warmup-steps 10 --repeats 2 "${common[@]}"
+step grpo "${GRPO_S:-110}" python3 benchmarks/grpo_step.py --model large --prompts 8 --generations 8 \
+    --max-tokens 32 --steps 16 --warmup-steps 4 --repeats 1 --runs rollout,trl --reward-window 4 "${common[@]}"
+TAIL=30 step pytest-cuda "${PYTEST_S:-130}" python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 100 \
+    --tb=short -rf tests/inference tests/rl tests/unit tests/test_snapshots.py
+echo "total $(( $(date +%s) - started ))s"
