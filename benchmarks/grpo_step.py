@@ -151,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_precision_args(p)
     p.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="CUDA: keep torch's SDPA off its cuDNN backend, for both libraries (flash / memory-efficient / math)",
+    )
+    p.add_argument(
         "--omp-passive",
         action="store_true",
         help="set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep instead of spinning): "
@@ -639,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     print_header(args)
+    if args.no_cudnn_attention:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        print("  SDPA's cuDNN backend off for both\n", flush=True)
 
     runners = {
         "rollout": functools.partial(run_rollout, off_policy_steps=0),

@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"{args.out}/{now.strftime('%Y-%m-%d')}-{socket.gethostname()}"
+        if Path(f"{stem}.md").exists():  # an earlier run of the same day and host stays
+            stem += now.strftime("-%H%M")
         Path(f"{stem}.md").write_text(text, encoding="utf-8")
         Path(f"{stem}.json").write_text(
             json.dumps({"meta": meta, "rows": rows, "startup": startup, "raw": results}, indent=1), encoding="utf-8")
