@@ -2,7 +2,7 @@
 # One pass on a lent CUDA machine (never CI): the bench table in bf16 against TRL, then the suite's
 # fast directories on CUDA (their `device = "auto"` picks the GPU). Run from the repository root with a
 # python3 that has a CUDA torch; the other packages come from wheels in .whl/ when that folder exists
-# (benchmarks/README.md, "On a GPU", says how to fetch them). Logs go to $OUT (or local/gpu-bench);
+# (`bash benchmarks/gpu_wheels.sh` fetches them). Logs go to $OUT (or local/gpu-bench);
 # each step has its own time limit, so one failure leaves the others' figures.
 #
 #     bash benchmarks/gpu.sh            # ~8 minutes on one H100/H200
@@ -16,6 +16,12 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site:$PWD/src
 else
     export PYTHONPATH=$PWD/src
+fi
+# the tests start `rollout` from python's bin folder: without an install there, a wrapper
+py_exe=$(python3 -c 'import sys; print(sys.executable)')
+if [ ! -e "$(dirname "$py_exe")/rollout" ]; then
+    printf '#!/bin/sh\nexec "%s" -m rollout.cli.main "$@"\n' "$py_exe" > "$(dirname "$py_exe")/rollout" \
+        && chmod +x "$(dirname "$py_exe")/rollout"
 fi
 started=$(date +%s)
 
