@@ -279,3 +279,29 @@ def test_ray_block_defaults_and_plan_checks(prompts_inputs, tmp_path):
         '[distributed]\nkind = "local"\n', RAY), source=ROOT / "examples" / "sft-tiny.toml")
     with pytest.raises(ConfigError, match='distributed.kind: "ray" is not implemented for sft'):
         check_runtime(sft, source=ROOT / "examples" / "sft-tiny.toml")
+
+
+def test_worker_engines_get_the_runs_engine_settings(prompts_inputs, tmp_path):
+    """A rollout worker builds its engine as the in-process one is built: `[inference] kept_cache_mb`
+    caps the KV caches kept between an episode's turns, `max_batch_size` its batch (no Ray needed:
+    the worker class runs here as it does inside an actor)."""
+    from rollout.inference.kept_cache import DEFAULT_KEPT_CACHE_BYTES
+    from rollout.models.load import ModelSource
+    from rollout.rl.manager import GroupSpec
+    from rollout.rl.ray_rollout import RolloutWorker, worker_spec
+
+    def spec_of(path: Path):
+        cfg = load_config(path)
+        s = cfg.algorithm.settings
+        group = GroupSpec(s.num_generations, None, cfg.seed, s.reward_timeout_s)
+        return worker_spec(cfg, ModelSource(**s.base_model.model_dump()), group=group, rewards=s.rewards, env=s.env)
+
+    default = spec_of(_config(tmp_path / "default", prompts_inputs, RAY))
+    assert (default.kept_cache_bytes, default.max_batch_size, default.num_threads) == (DEFAULT_KEPT_CACHE_BYTES, 256, 1)
+    spec = spec_of(_config(tmp_path / "set", prompts_inputs, RAY + "\n[inference]\nkept_cache_mb = 3\nmax_batch_size = 24\n"))
+    assert (spec.kept_cache_bytes, spec.max_batch_size, spec.device) == (3 << 20, 24, "cpu")
+    worker = RolloutWorker(0, spec)
+    try:
+        assert worker.engine._kept.max_bytes == 3 << 20
+    finally:
+        worker.engine.close()

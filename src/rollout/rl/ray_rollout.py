@@ -76,6 +76,8 @@ class WorkerSpec:
     device: str = "cpu"
     max_batch_size: int = 256
     num_threads: int | None = None
+    kept_cache_bytes: int = 1 << 30  # kept_cache.DEFAULT_KEPT_CACHE_BYTES (that module imports torch)
+    """The engine's cap on KV caches kept between an episode's turns (`[inference] kept_cache_mb`)."""
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """Benchmarks only: worker id -> factor (a worker sleeps (factor - 1) x each lease's time)."""
 
@@ -109,6 +111,7 @@ class RolloutWorker:
         self.engine = load_hf_engine(
             spec.model.uri, dtype=spec.model.dtype, device=spec.device, max_batch_size=spec.max_batch_size,
             trust_remote_code=spec.model.trust_remote_code, pad_multiple=BATCH_INVARIANT_PAD,
+            kept_cache_bytes=spec.kept_cache_bytes,
         )
         self.sampler = EngineSampler(self.engine, max_batch=spec.max_batch_size)
         self.reward_fns = resolve_reward_specs(spec.rewards, spec.env, device=torch.device(spec.device),
@@ -383,6 +386,27 @@ class RayRollout:
             ray.shutdown()
 
 
+def worker_spec(cfg: RunConfig, base_model: Any, *, group: GroupSpec, rewards: Sequence[Any], env: Any) -> WorkerSpec:
+    """What each rollout worker of a `[distributed] kind = "ray"` run builds from: its engine's
+    device, batch size, threads and kept-cache cap come from `[distributed]`, `[inference]` and
+    `[backend]` as the in-process engine's do."""
+    import torch
+
+    from rollout.config import RayDistributedConfig
+    from rollout.inference.kept_cache import DEFAULT_KEPT_CACHE_BYTES
+
+    dist = cfg.distributed
+    assert isinstance(dist, RayDistributedConfig)
+    inference = cfg.inference
+    return WorkerSpec(
+        model=base_model, group=group, rewards=list(rewards), env=env,
+        device="cuda" if dist.num_gpus_per_worker > 0 else "cpu",
+        max_batch_size=inference.max_batch_size if inference is not None else 256,
+        num_threads=cfg.backend.num_threads or torch.get_num_threads(),
+        kept_cache_bytes=inference.kept_cache_mb << 20 if inference is not None else DEFAULT_KEPT_CACHE_BYTES,
+    )
+
+
 def build_rollout_engine(
     cfg: RunConfig, base_model: Any, *, group: GroupSpec, rewards: Sequence[Any],
     env: Any, device: Any, weights_dir: Path, run_id: str,
@@ -399,14 +423,7 @@ def build_rollout_engine(
     if not isinstance(dist, RayDistributedConfig):  # torchrun ranks always sample batch-invariantly
         return build_engine(base_model, inference=cfg.inference, device=device, weights_dir=weights_dir,
                             batch_invariant=cfg.backend.batch_invariant or dist.kind == "torchrun")
-    import torch
-
-    spec = WorkerSpec(
-        model=base_model, group=group, rewards=list(rewards), env=env,
-        device="cuda" if dist.num_gpus_per_worker > 0 else "cpu",
-        max_batch_size=cfg.inference.max_batch_size if cfg.inference is not None else 256,
-        num_threads=cfg.backend.num_threads or torch.get_num_threads(),
-    )
+    spec = worker_spec(cfg, base_model, group=group, rewards=rewards, env=env)
     return RayRollout(
         spec, num_workers=dist.num_rollout_workers, address=dist.address, num_cpus_per_worker=dist.num_cpus_per_worker,
         num_gpus_per_worker=dist.num_gpus_per_worker, max_groups_per_lease=dist.max_groups_per_lease,
