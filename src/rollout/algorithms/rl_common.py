@@ -174,6 +174,14 @@ class SamplingEngine:
         self.engine.close()
 
 
+def hf_engine_limits(inference: InferenceConfig | None) -> tuple[int, int]:
+    """(max batch size, kept-cache bytes) of an hf engine under `[inference]` (or its defaults):
+    the in-process engine's and every Ray rollout worker's."""
+    if inference is None:
+        return 256, DEFAULT_KEPT_CACHE_BYTES
+    return inference.max_batch_size, inference.kept_cache_mb << 20
+
+
 def build_engine(
     base_model: ModelSource, *, inference: InferenceConfig | None, device: torch.device, weights_dir: Path,
     batch_invariant: bool = False,
@@ -181,7 +189,7 @@ def build_engine(
     """The in-process hf engine by default (tensors handed over; with `batch_invariant`, log-probs
     that do not depend on the round a group is in, as Ray workers make them), or the configured
     [inference] engine (reloads `weights_dir/v<version>`)."""
-    max_batch = inference.max_batch_size if inference is not None else 256
+    max_batch, kept_cache_bytes = hf_engine_limits(inference)
     if inference is not None and inference.engine != "hf":
         if inference.engine == "openai" and not (inference.base_url or inference.base_urls):
             raise ConfigError('[inference] engine = "openai" needs base_url (one server) or base_urls (a pool)')
@@ -193,7 +201,7 @@ def build_engine(
         base_model.uri, dtype=base_model.dtype, device=str(device), max_batch_size=max_batch,
         trust_remote_code=base_model.trust_remote_code,
         pad_multiple=BATCH_INVARIANT_PAD if batch_invariant else 1,
-        kept_cache_bytes=inference.kept_cache_mb << 20 if inference is not None else DEFAULT_KEPT_CACHE_BYTES,
+        kept_cache_bytes=kept_cache_bytes,
     )
     return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
 

@@ -392,18 +392,16 @@ def worker_spec(cfg: RunConfig, base_model: Any, *, group: GroupSpec, rewards: S
     `[backend]` as the in-process engine's do."""
     import torch
 
+    from rollout.algorithms.rl_common import hf_engine_limits
     from rollout.config import RayDistributedConfig
-    from rollout.inference.kept_cache import DEFAULT_KEPT_CACHE_BYTES
 
     dist = cfg.distributed
     assert isinstance(dist, RayDistributedConfig)
-    inference = cfg.inference
+    max_batch, kept_cache_bytes = hf_engine_limits(cfg.inference)
     return WorkerSpec(
         model=base_model, group=group, rewards=list(rewards), env=env,
-        device="cuda" if dist.num_gpus_per_worker > 0 else "cpu",
-        max_batch_size=inference.max_batch_size if inference is not None else 256,
-        num_threads=cfg.backend.num_threads or torch.get_num_threads(),
-        kept_cache_bytes=inference.kept_cache_mb << 20 if inference is not None else DEFAULT_KEPT_CACHE_BYTES,
+        device="cuda" if dist.num_gpus_per_worker > 0 else "cpu", max_batch_size=max_batch,
+        num_threads=cfg.backend.num_threads or torch.get_num_threads(), kept_cache_bytes=kept_cache_bytes,
     )
 
 
