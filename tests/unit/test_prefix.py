@@ -1,4 +1,5 @@
-"""Shared-prompt log-probs: each prompt run once, equal to the full rows in values and gradients."""
+"""Shared-prompt log-probs: each prompt run once, equal to the full rows in values and gradients,
+in both layouts (each prompt's completions packed behind it in one row, or the per-row cache)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
+from rollout.models import prefix
+from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, packed_layout, prefix_logps
 
 PAD = 0
 PROMPTS = [(5, 17, 9, 30, 4, 8, 21), (40, 2, 61), (11, 50, 3, 3, 9)]
@@ -23,6 +25,18 @@ def model():
                          intermediate_size=128, vocab_size=128)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(params=["packed", "cache"])
+def layout(request, monkeypatch):
+    """The test runs once per layout, whatever the cost model would choose for its batch."""
+    force = request.param == "packed"
+
+    def forced(batch, config, dtype=torch.float32, *, force_=force):
+        return packed_layout(batch, config, dtype, force=force_)
+
+    monkeypatch.setattr(prefix, "packed_layout", forced)
+    return request.param
 
 
 def _batch():
@@ -55,7 +69,7 @@ def test_collate_stores_each_prompt_once():
         collate_prefix([()], [(1,)], PAD)
 
 
-def test_logps_equal_the_full_rows_one_token_at_a_time(model):
+def test_logps_equal_the_full_rows_one_token_at_a_time(model, layout):
     b = _batch()
     logps, entropy = prefix_logps(model, b, with_entropy=True)
     for got, want in zip(_rows(logps, b), _direct(model), strict=True):
@@ -65,7 +79,7 @@ def test_logps_equal_the_full_rows_one_token_at_a_time(model):
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.7])
-def test_logps_at_a_temperature_are_of_the_scaled_distribution(model, temperature):
+def test_logps_at_a_temperature_are_of_the_scaled_distribution(model, layout, temperature):
     """RL trains the distribution it samples: softmax(logits / T); entropies are of it too."""
     b = _batch()
     logps, entropy = prefix_logps(model, b, with_entropy=True, temperature=temperature)
@@ -79,7 +93,7 @@ def test_logps_at_a_temperature_are_of_the_scaled_distribution(model, temperatur
     assert torch.allclose(frozen, logps, atol=1e-6)
 
 
-def test_gradients_equal_the_full_rows(model):
+def test_gradients_equal_the_full_rows(model, layout):
     m = copy.deepcopy(model).train()
     b = _batch()
     weights = torch.linspace(-1, 2, len(ROWS))
@@ -94,7 +108,7 @@ def test_gradients_equal_the_full_rows(model):
         assert torch.allclose(shared[name], p.grad, atol=1e-5, rtol=1e-4), name
 
 
-def test_select_keeps_only_the_prompts_its_rows_use(model):
+def test_select_keeps_only_the_prompts_its_rows_use(model, layout):
     b = _batch()
     sub = b.select([1, 4, 3])
     assert sub.prompt_ids.shape == (2, 5) and sub.owner.tolist() == [0, 0, 1]
@@ -104,7 +118,7 @@ def test_select_keeps_only_the_prompts_its_rows_use(model):
         assert part[i] == pytest.approx(whole[row], abs=1e-5)
 
 
-def test_models_that_transform_their_logits_run_their_own_forward(model, monkeypatch):
+def test_models_that_transform_their_logits_run_their_own_forward(model, layout, monkeypatch):
     from rollout.losses.logps import decoder_and_head
 
     m = copy.deepcopy(model)
@@ -115,7 +129,7 @@ def test_models_that_transform_their_logits_run_their_own_forward(model, monkeyp
         assert got == pytest.approx(want, abs=1e-5)
 
 
-def test_peft_adapter_on_and_off(model):
+def test_peft_adapter_on_and_off(model, layout):
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
@@ -129,7 +143,7 @@ def test_pad_rows():
     assert pad_rows([[1.0, 2.0], [], [3.0]], 3).tolist() == [[1, 2, 0], [0, 0, 0], [3, 0, 0]]
 
 
-def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
+def test_pairs_share_their_prompt_and_score_like_the_full_rows(model, layout):
     from rollout.data.collate import collate_pairs
     from rollout.data.tokenize import TokenizedPair
     from rollout.losses.logps import sequence_logps
@@ -151,7 +165,7 @@ def test_pairs_share_their_prompt_and_score_like_the_full_rows(model):
     assert collate_shared_pairs([TokenizedPair((1, 2, 3), (1, 4, 3), 2, 2)], PAD) is None
 
 
-def test_reward_scores_of_shared_prompts_equal_the_full_rows():
+def test_reward_scores_of_shared_prompts_equal_the_full_rows(layout):
     """The RM scores the last real token of each side: with each prompt run once the scores and
     their gradients equal the full rows', an empty side (prompt only) included."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
@@ -185,3 +199,54 @@ def test_reward_scores_of_shared_prompts_equal_the_full_rows():
     assert got.tolist() == pytest.approx(alone, abs=1e-5)
     for name, grad in shared_grads.items():
         assert torch.allclose(grad, full_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_packed_rows_put_each_completion_behind_its_prompt_seeing_only_itself(model):
+    b = collate_prefix([(5, 17, 9), (40, 2), (5, 17, 9)], [(7, 8), (12,), (60,)], PAD)
+    packed = packed_layout(b, model.config, force=True)
+    assert packed.input_ids.tolist() == [[5, 17, 9, 7, 8, 60], [40, 2, 12, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 2, 0, 0, 0]]
+    mask = packed.attention_mask[:, 0]
+    assert mask[0, 5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # completion 60: its prompt and itself
+    assert mask[0, 4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert mask[1, 4].nonzero().flatten().tolist() == [0, 1]  # a pad sees the prompt (no empty softmax row)
+    assert not bool(mask[1, :, 3:].any())  # and no query sees a pad
+    # column j: the position before completion token j (the prompt's last token for j = 0)
+    assert packed.row.flatten().tolist() == [0, 1, 0]
+    assert packed.column.tolist() == [[2, 3, 4], [1, 2, 1], [2, 5, 2]]
+
+
+def test_the_cheaper_layout_is_chosen(model):
+    # GRPO on a small task: 2 prompts x 8 completions of uneven short length -> packed
+    short = collate_prefix([(5, 17, 9, 30, 4, 8, 21)] * 8 + [(40, 2, 61, 3)] * 8,
+                           [(1,) * (1 + i % 3) for i in range(15)] + [(1,) * 8], PAD)
+    assert packed_layout(short, model.config) is not None
+    # a long shared prompt with long completions of one length: the cache computes nothing twice
+    long = collate_prefix([tuple(range(1, 100))] * 8, [(1,) * 60] * 8, PAD)
+    assert packed_layout(long, model.config) is None
+    assert packed_layout(long, model.config, force=True) is not None
+    flash = copy.deepcopy(model.config)
+    flash._attn_implementation = "flash_attention_2"  # takes no dense mask
+    assert packed_layout(short, flash, force=True) is None
+    windowed = copy.deepcopy(model.config)
+    windowed.sliding_window, windowed.layer_types = 8, ["sliding_attention"] * windowed.num_hidden_layers
+    assert packed_layout(short, windowed, force=True) is None  # a packed row would outgrow the window
+
+
+def test_eager_attention_packs_with_an_additive_mask(model):
+    m = copy.deepcopy(model)
+    m.config._attn_implementation = "eager"
+    b = _batch()
+    packed = packed_layout(b, m.config, torch.float32, force=True)
+    assert packed.attention_mask.dtype == torch.float32 and float(packed.attention_mask.max()) == 0.0
+    for got, want in zip(_rows(frozen_prefix_logps(m, b), b), _direct(model), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_empty_completions_score_nothing_in_either_layout(model, layout):
+    b = collate_prefix([(5, 17, 9), (5, 17, 9), (40, 2)], [(), (7, 8), ()], PAD)
+    logps = frozen_prefix_logps(model, b)
+    assert logps[0].abs().sum() == 0 and logps[2].abs().sum() == 0
+    with torch.no_grad():
+        want = torch.log_softmax(model(input_ids=torch.tensor([[5, 17, 9, 7, 8]])).logits[0], -1)
+    assert logps[1].tolist() == pytest.approx([float(want[2, 7]), float(want[3, 8])], abs=1e-5)

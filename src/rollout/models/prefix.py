@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from rollout.data.collate import to_additive_mask
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
 from rollout.models.kv_cache import cache_kwarg, returned_cache
 
@@ -135,22 +136,138 @@ def pad_rows(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
 def prefix_outputs(module: Any, batch: PrefixBatch, field: str, config: PretrainedConfig) -> torch.Tensor:
     """[B, Lc, ·]: `field` of `module`'s output at the position that predicts each completion token.
 
-    `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits") that takes
-    a key/value cache; `config` builds it."""
-    prompt_out, completion_out = _prefix_forward(module, batch, config)
-    last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
-    return torch.cat([last_prompt[:, None], getattr(completion_out, field)[:, :-1]], dim=1)
+    `module` is a decoder (field "last_hidden_state") or a whole causal LM ("logits"); `config`
+    is its transformers config (it builds the key/value cache and sets the layout)."""
+    return _predictor_outputs(module, batch, field, config)[:, :-1]
 
 
 def prefix_last_hidden(decoder: Any, batch: PrefixBatch, config: PretrainedConfig) -> torch.Tensor:
     """[B, H]: the decoder's last hidden state at each row's last real token (its last completion
     token; the prompt's last token for an empty completion) -- what a reward head scores."""
-    prompt_out, completion_out = _prefix_forward(decoder, batch, config)
-    last_prompt = prompt_out.last_hidden_state[:, -1][batch.owner]
-    hidden = completion_out.last_hidden_state
+    hidden = _predictor_outputs(decoder, batch, "last_hidden_state", config)
     length = batch.completion_mask.sum(1)
-    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), (length - 1).clamp(min=0)]
-    return torch.where((length > 0)[:, None], last, last_prompt)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), length]
+
+
+def _predictor_outputs(module: Any, batch: PrefixBatch, field: str, config: PretrainedConfig) -> torch.Tensor:
+    """[B, Lc + 1, ·]: column j holds `field` at the position just before completion token j (the
+    prompt's last token for j = 0, completion token j - 1 after). Columns past a row's length hold
+    some valid position of the row, to be masked by the caller."""
+    packed = packed_layout(batch, config, next(module.parameters()).dtype)
+    if packed is not None:
+        out = getattr(module(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                             position_ids=packed.position_ids, use_cache=False), field)
+        return out[packed.row, packed.column]
+    prompt_out, completion_out = _prefix_forward(module, batch, config)
+    last_prompt = getattr(prompt_out, field)[:, -1][batch.owner]  # left padding: the last column is real
+    return torch.cat([last_prompt[:, None], getattr(completion_out, field)], dim=1)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Each prompt with all its completions in one row: [prompt | completion a | completion b | ...],
+    right-padded. The 4D mask lets a completion see its prompt and itself (causally), never another
+    completion; positions restart after the prompt for each completion. So each token is computed
+    once, with no padding inside the group: what the per-row cache layout pads to the longest
+    completion is not computed at all."""
+
+    input_ids: torch.Tensor  # [P, L]
+    position_ids: torch.Tensor  # [P, L]
+    attention_mask: torch.Tensor  # [P, 1, L, L]: bool for sdpa, additive float for eager
+    row: torch.Tensor  # [B, 1]: the packed row of each completion row (its prompt's)
+    column: torch.Tensor  # [B, Lc + 1]: where in it each predictor of `_predictor_outputs` sits
+
+
+MAX_PACKED_MASK = 1 << 26
+"""Largest P·L² (elements of the packed 4D mask) the packed layout is used for (64 MiB as bool)."""
+
+
+def packed_layout(
+    batch: PrefixBatch, config: PretrainedConfig, dtype: torch.dtype = torch.float32, *, force: bool | None = None
+) -> PackedRows | None:
+    """The packed rows of `batch` when they cost fewer FLOPs than the cache layout, else None.
+
+    Per layer, a token's projections cost ~24·h² FLOPs and each (query, key) pair ~4·h, so the
+    cost is compared as 6·h·tokens + pairs: the cache layout computes P·Lp + B·Lc tokens (every
+    completion padded to the longest) and P·Lp² + B·Lc·(Lp + Lc) pairs; the packed one P·L tokens
+    and P·L² pairs (every completion's queries against the whole group, most of them masked).
+    Short completions of uneven length (RL on small tasks) pack; long ones with a long shared
+    prompt keep the cache. Only for the dense-mask attention kernels (sdpa, eager), with no
+    sliding window shorter than a packed row. `dtype`: the eager kernel's additive mask's.
+    `force`: True packs whatever the cost, False never packs (tests compare the two layouts)."""
+    kernel = getattr(config, "_attn_implementation", None)
+    if force is False or kernel not in ("sdpa", "eager"):
+        return None
+    plen = batch.prompt_mask.sum(1).tolist()
+    clen = batch.completion_mask.sum(1).tolist()
+    owner = batch.owner.tolist()
+    n_prompts, lp = batch.prompt_ids.shape
+    n_rows, lc = batch.completion_ids.shape
+    group = [0] * n_prompts
+    for b, p in enumerate(owner):
+        group[p] += clen[b]
+    width = max(plen[p] + group[p] for p in range(n_prompts))
+    window = _sliding_window(config)
+    if n_prompts * width * width > MAX_PACKED_MASK or (window is not None and width > window):
+        return None
+    if force is None and _packed_cost(config, n_prompts, width) >= _cache_cost(config, n_prompts, lp, n_rows, lc):
+        return None
+    device = batch.completion_ids.device
+    # host-side layout: each row's segment (-2 pad, -1 prompt, b completion row b) and positions
+    segment = [[-1] * n for n in plen]
+    position = [list(range(n)) for n in plen]
+    start = [0] * n_rows
+    for b, p in enumerate(owner):
+        start[b] = len(segment[p])
+        segment[p] += [b] * clen[b]
+        position[p] += range(plen[p], plen[p] + clen[b])
+    for p in range(n_prompts):
+        pad = width - len(segment[p])
+        segment[p] += [-2] * pad
+        position[p] += [0] * pad
+    j = torch.arange(lc + 1)
+    length, first = torch.tensor(clen), torch.tensor(start)
+    last_prompt = torch.tensor(plen)[batch.owner.cpu()] - 1
+    column = torch.where((j[None, :] >= 1) & (j[None, :] <= length[:, None]),
+                         first[:, None] + j[None, :] - 1, last_prompt[:, None])
+    segment = torch.tensor(segment, device=device)
+    real = segment != -2
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    # a query sees the prompt and its own segment, causally; a pad query sees the prompt (so no row
+    # of the softmax is empty), and no query sees a pad
+    mask = causal & real[:, None, :] & ((segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None]))
+    # the prompt's tokens (taken from after its left padding), then each completion's where its segment is
+    shift = lp - batch.prompt_mask.sum(1, keepdim=True)
+    src = (torch.arange(width, device=device)[None, :] + shift).clamp(max=lp - 1)
+    ids = torch.gather(batch.prompt_ids, 1, src).masked_fill(segment != -1, 0)  # pads: any id, masked
+    sel = batch.completion_mask
+    dest_col = (first.to(device)[:, None] + torch.arange(lc, device=device)[None, :])[sel]
+    ids[batch.owner[:, None].expand(n_rows, lc)[sel], dest_col] = batch.completion_ids[sel]
+    attention_mask = mask[:, None] if kernel == "sdpa" else to_additive_mask(mask[:, None], dtype)
+    return PackedRows(ids, torch.tensor(position, device=device), attention_mask, batch.owner[:, None], column.to(device))
+
+
+def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
+    return 6 * _hidden(config) * (n_prompts * lp + n_rows * lc) + n_prompts * lp * lp + n_rows * lc * (lp + lc)
+
+
+def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
+    return 6 * _hidden(config) * n_prompts * width + n_prompts * width * width
+
+
+def _hidden(config: PretrainedConfig) -> int:
+    return int(getattr(config, "hidden_size", 0) or 0) or 1
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window of a model that has one on some layer, else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if any("sliding" in str(t) for t in layer_types) else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
 
 
 def _prefix_forward(module: Any, batch: PrefixBatch, config: PretrainedConfig) -> tuple[Any, Any]:
