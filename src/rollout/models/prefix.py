@@ -154,6 +154,8 @@ def _predictor_outputs(module: Any, batch: PrefixBatch, field: str, config: Pret
     prompt's last token for j = 0, completion token j - 1 after). Columns past a row's length hold
     some valid position of the row, to be masked by the caller."""
     packed = packed_layout(batch, config, next(module.parameters()).dtype)
+    if _fsdp_sharded(module):  # every rank must call the sharded modules alike: one layout for all
+        packed = _agreed_layout(packed, batch.completion_ids.device)
     if packed is not None:
         out = getattr(module(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                              position_ids=packed.position_ids, use_cache=False), field)
@@ -245,6 +247,25 @@ def packed_layout(
     ids[batch.owner[:, None].expand(n_rows, lc)[sel], dest_col] = batch.completion_ids[sel]
     attention_mask = mask[:, None] if kernel == "sdpa" else to_additive_mask(mask[:, None], dtype)
     return PackedRows(ids, torch.tensor(position, device=device), attention_mask, batch.owner[:, None], column.to(device))
+
+
+def _fsdp_sharded(module: Any) -> bool:
+    """Whether some part of `module` is an FSDP2 `fully_shard` unit (its forward all-gathers)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _agreed_layout(packed: PackedRows | None, device: Any) -> PackedRows | None:
+    """`packed` where every rank's batch packs, else None on every rank. Under FSDP the two
+    layouts make different numbers of forward calls (one, or the prompt pass then the completion
+    pass), each all-gathering the parameters; ranks with different rows could choose differently
+    and wait on each other forever. One all-reduce of a flag (MIN) per forward settles it."""
+    flag = torch.tensor([0 if packed is None else 1], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return packed if int(flag) == 1 else None
 
 
 def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
