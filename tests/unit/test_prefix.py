@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.models import prefix
-from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, packed_layout, prefix_logps
+from rollout.models.prefix import collate_prefix, frozen_prefix_logps, packed_layout, pad_rows, prefix_logps
 
 PAD = 0
 PROMPTS = [(5, 17, 9, 30, 4, 8, 21), (40, 2, 61), (11, 50, 3, 3, 9)]
