@@ -200,11 +200,10 @@ def packed_layout(
     kernel = getattr(config, "_attn_implementation", None)
     if force is False or kernel not in ("sdpa", "eager"):
         return None
-    plen = batch.prompt_mask.sum(1).tolist()
-    clen = batch.completion_mask.sum(1).tolist()
-    owner = batch.owner.tolist()
     n_prompts, lp = batch.prompt_ids.shape
     n_rows, lc = batch.completion_ids.shape
+    host = torch.cat([batch.prompt_mask.sum(1), batch.completion_mask.sum(1), batch.owner]).tolist()  # one copy
+    plen, clen, owner = host[:n_prompts], host[n_prompts : n_prompts + n_rows], host[n_prompts + n_rows :]
     group = [0] * n_prompts
     for b, p in enumerate(owner):
         group[p] += clen[b]
@@ -239,7 +238,7 @@ def packed_layout(
     # of the softmax is empty), and no query sees a pad
     mask = causal & real[:, None, :] & ((segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None]))
     # the prompt's tokens (taken from after its left padding), then each completion's where its segment is
-    shift = lp - batch.prompt_mask.sum(1, keepdim=True)
+    shift = torch.tensor([[lp - n] for n in plen], device=device)
     src = (torch.arange(width, device=device)[None, :] + shift).clamp(max=lp - 1)
     ids = torch.gather(batch.prompt_ids, 1, src).masked_fill(segment != -1, 0)  # pads: any id, masked
     sel = batch.completion_mask
