@@ -15,6 +15,8 @@ Shapes (token ids random, seed 0, on the random tiny Qwen2 or a bigger one from
 `bench_common.MODEL_SIZES`):
   grpo   2 prompts of 10-13 tokens x 8 completions of 1-8 tokens (`grpo_step.py`'s step)
   dpo    16 prompts of 12-20 tokens x (chosen, rejected) of 3-6 tokens (`dpo_throughput.py`'s)
+  grpo-8 2 prompts of 15 tokens x 8 completions of 8 tokens (an early GRPO step: every completion
+         runs to max_tokens)
   long   1 prompt of 200 tokens x 8 completions of 100-128 tokens (the cache layout's case)
 """
 
@@ -35,6 +37,7 @@ from bench_common import MODEL_SIZES  # noqa: E402
 SHAPES = {  # name: (prompts, completions per prompt, prompt length range, completion length range)
     "grpo": (2, 8, (10, 13), (1, 8)),
     "dpo": (16, 2, (12, 20), (3, 6)),
+    "grpo-8": (2, 8, (15, 15), (8, 8)),
     "long": (1, 8, (200, 200), (100, 128)),
 }
 

@@ -221,6 +221,11 @@ def test_the_cheaper_layout_is_chosen(model):
     short = collate_prefix([(5, 17, 9, 30, 4, 8, 21)] * 8 + [(40, 2, 61, 3)] * 8,
                            [(1,) * (1 + i % 3) for i in range(15)] + [(1,) * 8], PAD)
     assert packed_layout(short, model.config) is not None
+    # every completion at full length: equal tokens either way, and the packed layout saves the
+    # cache layout's second forward call (`CALL_TOKENS`)
+    full = collate_prefix([(5, 17, 9, 30, 4, 8, 21)] * 8 + [(40, 2, 61, 3, 7, 9, 11)] * 8, [(1,) * 8] * 16, PAD)
+    layout = packed_layout(full, model.config)
+    assert layout is not None and layout.input_ids.numel() == full.prompt_ids.numel() + full.completion_ids.numel()
     # a long shared prompt with long completions of one length: the cache computes nothing twice
     long = collate_prefix([tuple(range(1, 100))] * 8, [(1,) * 60] * 8, PAD)
     assert packed_layout(long, model.config) is None

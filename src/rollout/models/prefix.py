@@ -191,8 +191,9 @@ def packed_layout(
 
     Per layer, a token's projections cost ~24·h² FLOPs and each (query, key) pair ~4·h, so the
     cost is compared as 6·h·tokens + pairs: the cache layout computes P·Lp + B·Lc tokens (every
-    completion padded to the longest) and P·Lp² + B·Lc·(Lp + Lc) pairs; the packed one P·L tokens
-    and P·L² pairs (every completion's queries against the whole group, most of them masked).
+    completion padded to the longest) and P·Lp² + B·Lc·(Lp + Lc) pairs, and pays its second
+    forward call as `CALL_TOKENS` more tokens; the packed one P·L tokens and P·L² pairs (every
+    completion's queries against the whole group, most of them masked).
     Short completions of uneven length (RL on small tasks) pack; long ones with a long shared
     prompt keep the cache. Only for the dense-mask attention kernels (sdpa, eager), with no
     sliding window shorter than a packed row. `dtype`: the eager kernel's additive mask's.
@@ -267,8 +268,17 @@ def _agreed_layout(packed: PackedRows | None, device: Any) -> PackedRows | None:
     return packed if int(flag) == 1 else None
 
 
+CALL_TOKENS = 64
+"""The fixed cost of a forward call (per-layer dispatch, kernel launches, the backward's nodes),
+counted as this many tokens of projections: the cache layout makes two calls, the packed one.
+Measured on the tiny Qwen2 on one CPU thread (fwd+bwd of 2 prompts x 8 completions of 2-3
+tokens: 19.6 ms in two calls, 11.0 ms in one, for nearly equal FLOPs: the second call costs
+as much as ~50 tokens); on a GPU a call's launches weigh more, not less."""
+
+
 def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
-    return 6 * _hidden(config) * (n_prompts * lp + n_rows * lc) + n_prompts * lp * lp + n_rows * lc * (lp + lc)
+    tokens = n_prompts * lp + n_rows * lc + CALL_TOKENS
+    return 6 * _hidden(config) * tokens + n_prompts * lp * lp + n_rows * lc * (lp + lc)
 
 
 def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
