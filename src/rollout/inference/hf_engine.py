@@ -62,6 +62,7 @@ from rollout.inference.types import (
     derive_seed,
 )
 from rollout.models.kv_cache import cache_kwarg, returned_cache
+from rollout.models.lean_decoder import lean_decoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,8 +94,10 @@ def load_hf_engine(
     model_name: str | None = None,
     pad_multiple: int = 1,
     kept_cache_bytes: int = DEFAULT_KEPT_CACHE_BYTES,
+    lean: bool = True,
 ) -> HFEngine:
-    """Load a causal LM and its tokenizer from a folder (or a hub id when online) into an `HFEngine`."""
+    """Load a causal LM and its tokenizer from a folder (or a hub id when online) into an `HFEngine`
+    (`lean`: prefill and decode through `rollout.models.lean_decoder` where the model has one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -116,7 +119,7 @@ def load_hf_engine(
     name = model_name or Path(str(model_path)).name or str(model_path)
     return HFEngine(
         model, tokenizer, model_name=name, max_batch_size=max_batch_size, max_model_len=max_model_len,
-        pad_multiple=pad_multiple, kept_cache_bytes=kept_cache_bytes,
+        pad_multiple=pad_multiple, kept_cache_bytes=kept_cache_bytes, lean=lean,
     )
 
 
@@ -133,6 +136,7 @@ class HFEngine:
         max_model_len: int | None = None,
         pad_multiple: int = 1,
         kept_cache_bytes: int = DEFAULT_KEPT_CACHE_BYTES,
+        lean: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ModelError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -142,6 +146,8 @@ class HFEngine:
         """Batch-invariant log-probs when > 1 (see `BATCH_INVARIANT_PAD`): the cache width is kept a
         multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
+        self.lean = lean_decoder(model) if lean else None
+        """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_size = max_batch_size
@@ -556,17 +562,21 @@ class HFSession:
                 index = torch.cat([torch.arange(rows), torch.zeros(extra, dtype=torch.long)]).to(ids.device)
                 ids, mask, positions = ids[index], mask[index], positions[index]
                 _select_cache_rows(cache, index)
-            out = self.engine.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                **cache_kwarg(cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            if self.engine.lean is not None:
+                logits = self.engine.lean(ids, mask, positions, cache)
+            else:
+                out = self.engine.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **cache_kwarg(cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache, logits = returned_cache(out), out.logits[:, -1, :]
             if extra:
-                _select_cache_rows(returned_cache(out), torch.arange(rows, device=ids.device))
-        return returned_cache(out), out.logits[:rows, -1, :].float()
+                _select_cache_rows(cache, torch.arange(rows, device=ids.device))
+        return cache, logits[:rows].float()
 
     def _advance(self, logits: torch.Tensor, *, first: int) -> None:
         """Sample the next token of rows[first:] (whose logits these are), record it, retire finished rows."""

@@ -209,7 +209,7 @@ def packed_layout(
     for b, p in enumerate(owner):
         group[p] += clen[b]
     width = max(plen[p] + group[p] for p in range(n_prompts))
-    window = _sliding_window(config)
+    window = sliding_window(config)
     if n_prompts * width * width > MAX_PACKED_MASK or (window is not None and width > window):
         return None
     if force is None and _packed_cost(config, n_prompts, width) >= _cache_cost(config, n_prompts, lp, n_rows, lc):
@@ -289,7 +289,7 @@ def _hidden(config: PretrainedConfig) -> int:
     return int(getattr(config, "hidden_size", 0) or 0) or 1
 
 
-def _sliding_window(config: PretrainedConfig) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
     """The attention window of a model that has one on some layer, else None."""
     window = getattr(config, "sliding_window", None)
     if not window:

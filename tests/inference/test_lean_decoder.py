@@ -1,0 +1,143 @@
+"""The hf engine's lean forward (`rollout.models.lean_decoder`) against transformers' own forward:
+the same logits and cache for each architecture it runs, None for the models it does not, and the
+same completions from the engine with it and without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout.inference import SamplingParams
+from rollout.inference.hf_engine import HFEngine, load_hf_engine
+from rollout.inference.types import GenerationRequest
+from rollout.models.lean_decoder import lean_decoder
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, vocab_size=97, max_position_embeddings=128)
+
+
+def _model(arch: str, *, heads: int = 4, kv_heads: int = 2, attn: str = "sdpa", **extra):
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    config = config_cls(**SMALL, num_attention_heads=heads, num_key_value_heads=kv_heads, **extra)
+    if arch == "mistral":
+        config.sliding_window = None
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases: a missed term shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn(p.shape) * 0.3)
+    return model
+
+
+def _reference(model, ids, mask, positions, cache):
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def _steps(model, forward):
+    """Logits of a left-padded prefill, three decode steps, then a prefill of new tokens behind a
+    hole of padding (the kept-cache layout: [pad, kept, pad, new]), each fed to `forward`; the
+    cache and the final mask."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 2, 7]
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, 7 - n :] = torch.randint(3, 97, (n,), generator=gen)
+        mask[i, 7 - n :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.inference_mode():
+        out.append(forward(model, ids, mask, positions, cache))
+        pos = mask.sum(-1)
+        for _ in range(3):
+            token = torch.randint(3, 97, (3, 1), generator=gen)
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            out.append(forward(model, token, mask, pos[:, None], cache))
+            pos = pos + 1
+        # new tokens behind two pad columns (rows 0 and 2 two tokens, row 1 one: left-padded)
+        new = torch.randint(3, 97, (3, 2), generator=gen)
+        new_mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
+        mask = torch.cat([mask, torch.zeros(3, 2, dtype=torch.long), new_mask], 1)
+        new_pos = pos[:, None] + (new_mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            for layer in cache.layers:
+                pad = torch.zeros(*layer.keys.shape[:2], 2, layer.keys.shape[-1])
+                layer.keys, layer.values = torch.cat([layer.keys, pad], 2), torch.cat([layer.values, pad], 2)
+        out.append(forward(model, new, mask, new_pos, cache))
+    return out, cache, mask
+
+
+@pytest.mark.parametrize(
+    "arch,heads,kv_heads",
+    [("qwen2", 4, 2), ("qwen2", 4, 4), ("llama", 4, 1), ("mistral", 4, 2), ("qwen3", 4, 2)],
+)
+def test_logits_and_cache_match_the_model(arch, heads, kv_heads):
+    model = _model(arch, heads=heads, kv_heads=kv_heads)
+    lean = lean_decoder(model)
+    assert lean is not None
+    ours, our_cache, mask = _steps(model, lambda m, *a: lean(*a))
+    theirs, their_cache, _ = _steps(model, _reference)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a.shape == b.shape == (3, 97)
+        assert torch.allclose(a, b, atol=2e-5, rtol=0), (step, float((a - b).abs().max()))
+    real = mask.bool()  # at padding columns the two differ (what a pad query attends to), unseen
+    for mine, ref in zip(our_cache.layers, their_cache.layers, strict=True):
+        for a, b in ((mine.keys, ref.keys), (mine.values, ref.values)):
+            assert a.shape == b.shape
+            assert torch.allclose(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=2e-5)
+
+
+def test_a_padding_query_never_makes_nan():
+    model = _model("qwen2")
+    ours, cache, _ = _steps(model, lambda m, *a: lean_decoder(m)(*a))
+    assert all(bool(torch.isfinite(x).all()) for x in ours)
+    assert all(bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()) for layer in cache.layers)
+
+
+def test_models_it_does_not_run_get_none():
+    assert lean_decoder(_model("qwen2", attn="eager")) is None  # eager softmax: transformers' path
+    windowed = _model("mistral")
+    windowed.config.sliding_window = 4
+    assert lean_decoder(windowed) is None
+    lora = _model("llama")
+    lora.model.layers[0].self_attn.q_proj = torch.nn.Sequential(copy.deepcopy(lora.model.layers[0].self_attn.q_proj))
+    assert lean_decoder(lora) is None  # a wrapped projection: not a plain nn.Linear
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert lean_decoder(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))) is None
+
+
+def _completions(engine: HFEngine, requests):
+    return [(c.token_ids, c.logprobs) for cs in engine.generate(requests) for c in cs]
+
+
+def test_the_engine_makes_the_same_completions_with_and_without_it(tiny_model_dir):
+    lean = load_hf_engine(tiny_model_dir, max_batch_size=6)
+    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
+    assert lean.lean is not None and plain.lean is None
+    # greedy and seeded sampling, n > 1 over shared prompts, more rows than the batch (joiners merge)
+    requests = [
+        GenerationRequest("What is 3+4?", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+        GenerationRequest("the model reads", params=SamplingParams(temperature=1.0, max_tokens=7, n=4, seed=3)),
+        GenerationRequest("a", params=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, n=3, seed=4)),
+    ]
+    ours, theirs = _completions(lean, requests), _completions(plain, requests)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
