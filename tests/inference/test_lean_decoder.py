@@ -82,13 +82,14 @@ def _steps(model, forward):
     return out, cache, mask
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["weights", "transposed"])
 @pytest.mark.parametrize(
     "arch,heads,kv_heads",
     [("qwen2", 4, 2), ("qwen2", 4, 4), ("llama", 4, 1), ("mistral", 4, 2), ("qwen3", 4, 2)],
 )
-def test_logits_and_cache_match_the_model(arch, heads, kv_heads):
+def test_logits_and_cache_match_the_model(arch, heads, kv_heads, transposed):
     model = _model(arch, heads=heads, kv_heads=kv_heads)
-    lean = lean_decoder(model)
+    lean = lean_decoder(model, transposed=transposed)
     assert lean is not None
     ours, our_cache, mask = _steps(model, lambda m, *a: lean(*a))
     theirs, their_cache, _ = _steps(model, _reference)
@@ -100,6 +101,40 @@ def test_logits_and_cache_match_the_model(arch, heads, kv_heads):
         for a, b in ((mine.keys, ref.keys), (mine.values, ref.values)):
             assert a.shape == b.shape
             assert torch.allclose(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_packed_prefill_leaves_what_the_padded_one_does(arch):
+    """Prompts of 5, 2 and 7 tokens in one packed row: the same last logits, the same keys/values
+    at the real columns (zeros at the padding), and the next decode step on either cache agrees."""
+    from transformers import DynamicCache
+
+    model = _model(arch)
+    lean = lean_decoder(model)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [tuple(torch.randint(3, 97, (n,), generator=gen).tolist()) for n in (5, 2, 7)]
+    width = 8
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    assert lean.packs([5, 2, 7], width) and not lean.packs([7, 7, 7], 7)  # no padding: nothing to save
+    padded, packed = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.inference_mode():
+        expected = lean(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), padded)
+        got = lean.prefill_packed(prompts, width, packed)
+        assert torch.allclose(got, expected, atol=2e-5, rtol=0)
+        real = mask.bool()
+        for a, b in zip(packed.layers, padded.layers, strict=True):
+            assert a.keys.shape == b.keys.shape and a.keys.shape[:3] == (3, 2, width)
+            assert torch.allclose(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real], atol=2e-5)
+            assert torch.allclose(a.values.transpose(1, 2)[real], b.values.transpose(1, 2)[real], atol=2e-5)
+            assert not bool(a.keys.transpose(1, 2)[~real].any())
+        token, step_mask = torch.tensor([[7], [8], [9]]), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        position = mask.sum(-1, keepdim=True)
+        after_packed = lean(token, step_mask, position, packed)
+        after_padded = lean(token, step_mask, position, padded)
+    assert torch.allclose(after_packed, after_padded, atol=2e-5, rtol=0)
 
 
 def test_a_padding_query_never_makes_nan():
@@ -141,3 +176,37 @@ def test_the_engine_makes_the_same_completions_with_and_without_it(tiny_model_di
     for (_, a), (_, b) in zip(ours, theirs, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
+
+
+def test_transposed_weight_copies_follow_every_weight_change(tiny_model_dir, other_weights_dir):
+    """On the CPU the engine multiplies by transposed copies of the weights: a weight push, a
+    trainer's in-place step on shared parameters (then the push it must make), and sharing a
+    policy's parameters each leave it generating what transformers' forward does."""
+    from transformers import AutoModelForCausalLM
+
+    lean = load_hf_engine(tiny_model_dir, max_batch_size=6)
+    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
+    assert lean.lean is not None and lean.lean.transposed
+    requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+                GenerationRequest("the model", params=SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5))]
+
+    def same() -> list:
+        ours, theirs = _completions(lean, requests), _completions(plain, requests)
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        return [t for t, _ in ours]
+
+    before = same()
+    for engine in (lean, plain):  # a push from disk
+        engine.update_weights(other_weights_dir)
+    pushed = same()
+    assert pushed != before
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for engine in (lean, plain):  # sharing a policy's parameters (the tiny model's own weights again)
+        assert engine.share_parameters(policy)
+    assert same() == before
+    with torch.no_grad():  # an optimizer step in place on the shared tensors, then the push
+        for param in policy.parameters():
+            param.mul_(1.5)
+    for engine in (lean, plain):
+        engine.update_weights(dict(policy.named_parameters()))
+    assert same() != before

@@ -146,8 +146,11 @@ class HFEngine:
         """Batch-invariant log-probs when > 1 (see `BATCH_INVARIANT_PAD`): the cache width is kept a
         multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
-        self.lean = lean_decoder(model) if lean else None
-        """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one."""
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.lean = lean_decoder(model, transposed=on_cpu and pad_multiple == 1) if lean else None
+        """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
+        on the CPU with transposed weight copies (not under `pad_multiple`: the batch-invariance
+        measurements were made with the weights as they are)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_size = max_batch_size
@@ -266,6 +269,8 @@ class HFEngine:
                 live = current[name]
                 if value.data_ptr() != live.data_ptr() or value.dtype != live.dtype or value.device != live.device:
                     live.copy_(value)
+            if self.lean is not None:
+                self.lean.refresh()
             self._weights_version += 1
             self._kept.clear()  # computed with the old weights
             return self._weights_version
@@ -286,6 +291,8 @@ class HFEngine:
         with self._lock, torch.no_grad():
             for name, param in mine.items():
                 param.data = theirs[name].data
+            if self.lean is not None:
+                self.lean.refresh()
             self._weights_version += 1
             self._kept.clear()
         return True
@@ -403,7 +410,8 @@ class HFSession:
         """Cache, mask and last logits of the rows' whole prompts, left-padded to a common width.
 
         Each distinct prompt is prefilled once (n choices, or equal prompts, share it); its cache,
-        mask and last logits are then gathered to one copy per row."""
+        mask and last logits are then gathered to one copy per row. Prompts of uneven length run as
+        one packed row where the lean forward has them cheaper that way (`LeanDecoder.packs`)."""
         unique: dict[tuple[int, ...], int] = {}
         owner = [unique.setdefault(r.job.prompt_ids, len(unique)) for r in rows]
         width = _round_up(max(len(p) for p in unique), self.engine.pad_multiple)
@@ -413,8 +421,18 @@ class HFSession:
         for i, p in enumerate(unique):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
             mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache, logits = self._forward(ids, mask, positions, cache=None)
+        lean = self.engine.lean
+        if lean is not None and self.engine.pad_multiple == 1 and lean.packs([len(p) for p in unique], width):
+            # prompts of uneven length: one packed row computes no padding (not batch-invariant:
+            # a prompt's reductions would run over the other prompts' masked keys)
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.engine.model.config)
+            with self.engine._lock, torch.inference_mode():
+                logits = lean.prefill_packed(list(unique), width, cache).float()
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache, logits = self._forward(ids, mask, positions, cache=None)
         if len(unique) < len(rows):
             index = torch.tensor(owner, dtype=torch.long, device=device)
             with torch.inference_mode():

@@ -22,10 +22,16 @@ play. Anything else gets None and the engine calls the model itself.
 
 The mask: a query sees the real keys up to its own column, and always itself, so a left-padding
 query attends to its own (finite) key and no softmax row is empty (no NaN reaches the cache).
+
+Prompts of uneven length can prefill packed (`prefill_packed`): all of them in one row, each
+attending to itself only, so the padding a left-padded batch computes is not computed; their
+keys/values are then placed into the left-padded cache the decode steps continue. On the ~48M
+model at batch 16 with prompts of 3-20 tokens that halves the prefill's work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +39,13 @@ import torch.nn.functional as F
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
+MAX_PACKED_PREFILL = 1 << 24
+"""Most (query, key) pairs of a packed prefill (its bool mask: 16 MiB)."""
 
-def lean_decoder(model: Any) -> LeanDecoder | None:
-    """The lean forward of `model` (a transformers causal LM), or None when it can't run it."""
+
+def lean_decoder(model: Any, *, transposed: bool = False) -> LeanDecoder | None:
+    """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
+    `transposed`: multiply by transposed copies of the weights (see `LeanDecoder`)."""
     from rollout.models.prefix import sliding_window
 
     config = getattr(model, "config", None)
@@ -62,15 +72,26 @@ def lean_decoder(model: Any) -> LeanDecoder | None:
             return None
     if not _is_rms_norm(getattr(inner, "norm", None)) or getattr(inner, "rotary_emb", None) is None:
         return None
-    return LeanDecoder(model)
+    return LeanDecoder(model, transposed=transposed)
 
 
 class LeanDecoder:
-    """`__call__(ids, mask, positions, cache)`: the model's logits at the last position."""
+    """`__call__(ids, mask, positions, cache)`: the model's logits at the last position.
 
-    def __init__(self, model: Any) -> None:
+    With `transposed`, each projection multiplies by a contiguous [in, out] copy of its weight
+    (made on first use) instead of the [out, in] weight itself: on the CPU a product of a few rows
+    by a transposed operand repacks the weight on every call, and at batch 16 that repacking costs
+    more than the product (measured, one thread: 1.4-2.9x slower for the ~48M and the tiny model's
+    shapes, see benchmarks/README.md). The copies double the weights' memory and are only right
+    while the weights are unchanged: `refresh()` drops them after every weight change (the engine
+    calls it from `update_weights` and `share_parameters`, which a trainer sharing its parameters
+    calls after each optimizer step)."""
+
+    def __init__(self, model: Any, *, transposed: bool = False) -> None:
         config = model.config
         self.model = model
+        self.transposed = transposed
+        self._weights_t: dict[int, torch.Tensor] = {}
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
@@ -86,26 +107,89 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         attn_mask = _attention_mask(mask, ids.shape[1])
         for i, layer in enumerate(inner.layers):
-            x = self._layer(layer, cache.layers[i], x, cos, sin, attn_mask)
-        head = self.model.lm_head
-        return F.linear(_rms_norm(inner.norm, x[:, -1]), head.weight, head.bias)
+            x = self._layer(layer, cache.layers[i].update, x, cos, sin, attn_mask)
+        return self._logits(x[:, -1])
+
+    def packs(self, lengths: Sequence[int], width: int) -> bool:
+        """Whether prompts of these lengths prefill cheaper packed (`prefill_packed`) than
+        left-padded to `width`: per layer ~24·h² FLOPs a token and ~4·h a (query, key) pair, so
+        6·h·tokens + pairs is compared, P·w tokens and P·w² pairs padded, S tokens and S² pairs
+        packed (S = the prompts' total length); never past `MAX_PACKED_PREFILL` pairs."""
+        total, rows = sum(lengths), len(lengths)
+        if rows < 2 or total * total > MAX_PACKED_PREFILL:
+            return False
+        hidden = self.heads * self.head_dim
+        return 6 * hidden * total + total * total < 6 * hidden * rows * width + rows * width * width
+
+    def prefill_packed(self, prompts: Sequence[Sequence[int]], width: int, cache: Any) -> torch.Tensor:
+        """Prefill the prompts as one packed row -- each attends to itself only, positions from 0,
+        no padding computed -- and leave their keys/values in the empty `cache` left-padded to
+        `width` columns (zeros at the padding, which every later mask hides): at the real columns
+        what `__call__` on the left-padded prompts leaves there, to float rounding. Returns the
+        logits [prompts, vocab] of each prompt's last token."""
+        device = self.model.lm_head.weight.device
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
+        positions = torch.cat([torch.arange(int(n)) for n in lengths]).to(device)[None]
+        segment = torch.repeat_interleave(torch.arange(len(prompts)), lengths).to(device)
+        total = ids.shape[1]
+        causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+        attn_mask = (causal & (segment[:, None] == segment[None, :]))[None, None]
+        columns = torch.cat([torch.arange(width - int(n), width) for n in lengths]).to(device)
+
+        def place(kv: Any) -> Any:
+            def store(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                shape = (len(prompts), k.shape[1], width, k.shape[3])
+                keys, values = k.new_zeros(shape), v.new_zeros(shape)
+                keys[segment, :, columns] = k[0].transpose(0, 1)
+                values[segment, :, columns] = v[0].transpose(0, 1)
+                kv.update(keys, values)
+                return k, v  # the packed row attends to its own keys
+
+            return store
+
+        inner = self.model.model
+        x = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, layer in enumerate(inner.layers):
+            x = self._layer(layer, place(cache.layers[i]), x, cos, sin, attn_mask)
+        return self._logits(x[0, (lengths.cumsum(0) - 1).to(device)])
+
+    def refresh(self) -> None:
+        """Forget the transposed weight copies (the weights changed); they are made again on use."""
+        self._weights_t.clear()
+
+    def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, layer.weight, layer.bias)
+        weight_t = self._weights_t.get(id(layer))
+        if weight_t is None:
+            weight_t = self._weights_t[id(layer)] = layer.weight.detach().t().contiguous()
+        out = torch.matmul(x, weight_t)
+        return out if layer.bias is None else out + layer.bias
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.model.lm_head, _rms_norm(self.model.model.norm, hidden))
 
     def _layer(
-        self, layer: Any, kv: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor
+        self, layer: Any, store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor,
     ) -> torch.Tensor:
+        """One decoder layer; `store(k, v)` keeps the new keys/values and returns those to attend to."""
         rows, t, _ = x.shape
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(layer.input_layernorm, x)
         shape = (rows, t, -1, self.head_dim)
-        q = _linear(attn.q_proj, h).view(shape)
-        k = _linear(attn.k_proj, h).view(shape)
-        v = _linear(attn.v_proj, h).view(shape).transpose(1, 2)
+        q = self._linear(attn.q_proj, h).view(shape)
+        k = self._linear(attn.k_proj, h).view(shape)
+        v = self._linear(attn.v_proj, h).view(shape).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = kv.update(k, v)
+        keys, values = store(k, v)
         if self.groups > 1:
             if t == 1:  # the query heads of one kv head as a sequence of queries: no copy of the cache
                 q = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
@@ -113,9 +197,9 @@ class LeanDecoder:
                 keys, values = _repeat_kv(keys, self.groups), _repeat_kv(values, self.groups)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=attn.scaling)
         out = out.reshape(rows, self.heads, t, self.head_dim).transpose(1, 2).reshape(rows, t, -1)
-        x = x + _linear(attn.o_proj, out)
+        x = x + self._linear(attn.o_proj, out)
         h = _rms_norm(layer.post_attention_layernorm, x)
-        return x + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))
+        return x + self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, h)) * self._linear(mlp.up_proj, h))
 
 
 def _attention_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
@@ -127,10 +211,6 @@ def _attention_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
     key = torch.arange(width, device=mask.device)
     query = key[width - t :, None]
     return ((real[:, None, :] & (key[None, :] <= query)[None]) | (key[None, :] == query)[None])[:, None]
-
-
-def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
