@@ -25,8 +25,8 @@ query attends to its own (finite) key and no softmax row is empty (no NaN reache
 
 Prompts of uneven length can prefill packed (`prefill_packed`): all of them in one row, each
 attending to itself only, so the padding a left-padded batch computes is not computed; their
-keys/values are then placed into the left-padded cache the decode steps continue. On the ~48M
-model at batch 16 with prompts of 3-20 tokens that halves the prefill's work.
+keys/values are then placed into the left-padded cache the decode steps continue
+(`benchmarks/generation.py`'s 16 prompts of 3-11 tokens: 106 tokens computed instead of 176).
 """
 
 from __future__ import annotations
