@@ -210,3 +210,12 @@ def test_transposed_weight_copies_follow_every_weight_change(tiny_model_dir, oth
     for engine in (lean, plain):
         engine.update_weights(dict(policy.named_parameters()))
     assert same() != before
+
+
+def test_transposed_copies_only_for_small_weights_and_never_batch_invariant(tiny_model_dir, monkeypatch):
+    from rollout.inference import hf_engine
+
+    assert not load_hf_engine(tiny_model_dir, pad_multiple=16).lean.transposed
+    monkeypatch.setattr(hf_engine, "TRANSPOSED_MAX_BYTES", 1000)  # the tiny model's 4 MB is "large" now
+    engine = load_hf_engine(tiny_model_dir)
+    assert engine.lean is not None and not engine.lean.transposed

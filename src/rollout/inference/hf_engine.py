@@ -76,6 +76,11 @@ a row's padding is fixed modulo 16 by its own length, so its tokens *and* log-pr
 whichever requests share the batch: a group made by a Ray rollout worker with some groups equals
 the group made locally with all of them (`rollout.rl.ray_rollout`)."""
 
+TRANSPOSED_MAX_BYTES = 1 << 30
+"""The largest weights (bytes) the CPU engine keeps transposed copies of (`LeanDecoder`): the copies
+double the weights' memory, and the products they speed up gain most while the weights fit the
+caches (1.4-2.9x at 16 rows, hot; ~1.13x with weights read from memory, benchmarks/README.md)."""
+
 BATCH_INVARIANT_ROWS = 4
 """With `pad_multiple > 1`, the fewest rows a forward pass runs with (copies of a row fill it up):
 the CPU matrix products take one kernel path for 1 row, another for 2-3 and a third from 4 rows
@@ -147,10 +152,12 @@ class HFEngine:
         multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
         on_cpu = next(model.parameters()).device.type == "cpu"
-        self.lean = lean_decoder(model, transposed=on_cpu and pad_multiple == 1) if lean else None
+        small = sum(p.numel() * p.element_size() for p in model.parameters()) <= TRANSPOSED_MAX_BYTES
+        self.lean = lean_decoder(model, transposed=on_cpu and small and pad_multiple == 1) if lean else None
         """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
-        on the CPU with transposed weight copies (not under `pad_multiple`: the batch-invariance
-        measurements were made with the weights as they are)."""
+        on the CPU, for weights up to `TRANSPOSED_MAX_BYTES`, with transposed weight copies (not
+        under `pad_multiple`: the batch-invariance measurements were made with the weights as
+        they are)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_size = max_batch_size
