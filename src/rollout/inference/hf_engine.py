@@ -423,10 +423,8 @@ class HFSession:
         owner = [unique.setdefault(r.job.prompt_ids, len(unique)) for r in rows]
         width = _round_up(max(len(p) for p in unique), self.engine.pad_multiple)
         device = self.engine.device
-        ids = torch.full((len(unique), width), self.engine.pad_token_id, dtype=torch.long, device=device)
         mask = torch.zeros((len(unique), width), dtype=torch.long, device=device)
         for i, p in enumerate(unique):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
             mask[i, width - len(p) :] = 1
         lean = self.engine.lean
         if lean is not None and self.engine.pad_multiple == 1 and lean.packs([len(p) for p in unique], width):
@@ -438,6 +436,9 @@ class HFSession:
             with self.engine._lock, torch.inference_mode():
                 logits = lean.prefill_packed(list(unique), width, cache).float()
         else:
+            ids = torch.full((len(unique), width), self.engine.pad_token_id, dtype=torch.long, device=device)
+            for i, p in enumerate(unique):
+                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             cache, logits = self._forward(ids, mask, positions, cache=None)
         if len(unique) < len(rows):

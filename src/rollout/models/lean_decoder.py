@@ -101,25 +101,23 @@ class LeanDecoder:
         """ids, positions: [rows, t]; mask: [rows, cached + t] (1 = a real token; the new tokens are
         its last t columns); `cache` (a `DynamicCache` holding the first columns) gets the new
         keys/values. Returns the logits [rows, vocab] of the last position, in the model's dtype."""
-        inner = self.model.model
-        x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x, cos, sin = self._embed(ids, positions)
         attn_mask = _attention_mask(mask, ids.shape[1])
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(self.model.model.layers):
             x = self._layer(layer, cache.layers[i].update, x, cos, sin, attn_mask)
         return self._logits(x[:, -1])
 
     def packs(self, lengths: Sequence[int], width: int) -> bool:
         """Whether prompts of these lengths prefill cheaper packed (`prefill_packed`) than
-        left-padded to `width`: per layer ~24·h² FLOPs a token and ~4·h a (query, key) pair, so
-        6·h·tokens + pairs is compared, P·w tokens and P·w² pairs padded, S tokens and S² pairs
-        packed (S = the prompts' total length); never past `MAX_PACKED_PREFILL` pairs."""
+        left-padded to `width` (`prefix.forward_cost`): P·w tokens and P·w² pairs padded, S tokens
+        and S² pairs packed (S = the prompts' total length); never past `MAX_PACKED_PREFILL` pairs."""
+        from rollout.models.prefix import forward_cost
+
         total, rows = sum(lengths), len(lengths)
         if rows < 2 or total * total > MAX_PACKED_PREFILL:
             return False
-        hidden = self.heads * self.head_dim
-        return 6 * hidden * total + total * total < 6 * hidden * rows * width + rows * width * width
+        config = self.model.config
+        return forward_cost(config, total, total * total) < forward_cost(config, rows * width, rows * width * width)
 
     def prefill_packed(self, prompts: Sequence[Sequence[int]], width: int, cache: Any) -> torch.Tensor:
         """Prefill the prompts as one packed row -- each attends to itself only, positions from 0,
@@ -148,11 +146,8 @@ class LeanDecoder:
 
             return store
 
-        inner = self.model.model
-        x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for i, layer in enumerate(inner.layers):
+        x, cos, sin = self._embed(ids, positions)
+        for i, layer in enumerate(self.model.model.layers):
             x = self._layer(layer, place(cache.layers[i]), x, cos, sin, attn_mask)
         return self._logits(x[0, (lengths.cumsum(0) - 1).to(device)])
 
@@ -168,6 +163,13 @@ class LeanDecoder:
             weight_t = self._weights_t[id(layer)] = layer.weight.detach().t().contiguous()
         out = torch.matmul(x, weight_t)
         return out if layer.bias is None else out + layer.bias
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token embeddings and the rotary cos/sin (with a head axis) at `positions`."""
+        inner = self.model.model
+        x = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(x, positions)
+        return x, cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._linear(self.model.lm_head, _rms_norm(self.model.model.norm, hidden))

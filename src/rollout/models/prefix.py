@@ -276,13 +276,19 @@ tokens: 19.6 ms in two calls, 11.0 ms in one, for nearly equal FLOPs: the second
 as much as ~50 tokens); on a GPU a call's launches weigh more, not less."""
 
 
+def forward_cost(config: PretrainedConfig, tokens: int, pairs: int) -> int:
+    """A forward's estimated cost, for comparing layouts of the same work: per layer a token's
+    projections take ~24·h² FLOPs and a (query, key) pair ~4·h, so 6·h·tokens + pairs."""
+    return 6 * _hidden(config) * tokens + pairs
+
+
 def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
-    tokens = n_prompts * lp + n_rows * lc + CALL_TOKENS
-    return 6 * _hidden(config) * tokens + n_prompts * lp * lp + n_rows * lc * (lp + lc)
+    return forward_cost(config, n_prompts * lp + n_rows * lc + CALL_TOKENS,
+                        n_prompts * lp * lp + n_rows * lc * (lp + lc))
 
 
 def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
-    return 6 * _hidden(config) * n_prompts * width + n_prompts * width * width
+    return forward_cost(config, n_prompts * width, n_prompts * width * width)
 
 
 def _hidden(config: PretrainedConfig) -> int:
