@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from rollout.models import prefix
-from rollout.models.prefix import collate_prefix, frozen_prefix_logps, packed_layout, pad_rows, prefix_logps
+from rollout.models.prefix import (
+    call_tokens,
+    collate_prefix,
+    frozen_prefix_logps,
+    packed_layout,
+    pad_rows,
+    prefix_logps,
+)
 
 PAD = 0
 PROMPTS = [(5, 17, 9, 30, 4, 8, 21), (40, 2, 61), (11, 50, 3, 3, 9)]
@@ -222,10 +229,20 @@ def test_the_cheaper_layout_is_chosen(model):
                            [(1,) * (1 + i % 3) for i in range(15)] + [(1,) * 8], PAD)
     assert packed_layout(short, model.config) is not None
     # every completion at full length: equal tokens either way, and the packed layout saves the
-    # cache layout's second forward call (`CALL_TOKENS`)
+    # cache layout's second forward call (`call_tokens`)
     full = collate_prefix([(5, 17, 9, 30, 4, 8, 21)] * 8 + [(40, 2, 61, 3, 7, 9, 11)] * 8, [(1,) * 8] * 16, PAD)
     layout = packed_layout(full, model.config)
     assert layout is not None and layout.input_ids.numel() == full.prompt_ids.numel() + full.completion_ids.numel()
+    # a DPO batch of the benchmark's shape on the tiny Qwen2's width: 16 pairs, 14 distinct prompts
+    # of 11-15 tokens, answers of 2-5 tokens. The packed rows hold more tokens but make one call;
+    # with the second call priced at 64 tokens (before `CALL_DISPATCH`) the cache layout was kept,
+    # which ran such batches 1.4-1.5x slower
+    pairs = [tuple([5 + min(i, 13)] * (11 + min(i, 13) % 5)) for i in range(16) for _ in range(2)]
+    dpo = collate_prefix(pairs, [(7,) * (2 + i // 2 % 3 + i % 2) for i in range(32)], PAD)
+    tiny = copy.deepcopy(model.config)
+    tiny.hidden_size = 128
+    assert call_tokens(tiny) == 64 + (1 << 21) // 128**2 == 192
+    assert packed_layout(dpo, tiny) is not None
     # a long shared prompt with long completions of one length: the cache computes nothing twice
     long = collate_prefix([tuple(range(1, 100))] * 8, [(1,) * 60] * 8, PAD)
     assert packed_layout(long, model.config) is None

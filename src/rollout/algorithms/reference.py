@@ -31,7 +31,7 @@ from safetensors.torch import save as save_safetensors
 
 from rollout.errors import AlgorithmError
 from rollout.models.load import ModelSource, load_model
-from rollout.models.prefix import PrefixBatch, frozen_prefix_logps, rows_logps
+from rollout.models.prefix import PrefixBatch, eval_mode, frozen_prefix_logps, rows_logps
 from rollout.run import RunContext
 from rollout.snapshots import Blob, commit_snapshot, read_snapshot_blob
 
@@ -53,13 +53,8 @@ class Reference:
         if self.kind == "table":
             return self.table[torch.as_tensor(list(seq_ids))].to(torch.float32)
         guard = self.model.disable_adapter() if self.kind == "adapter" else nullcontext()
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), guard:
-                logps, _ = rows_logps(self.model, tokens, shared)
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.no_grad(), guard:
+            logps, _ = rows_logps(self.model, tokens, shared)
         return logps.float()
 
     def token_logps(self, rows: PrefixBatch, *, temperature: float = 1.0) -> Any:

@@ -16,7 +16,8 @@ token j, predicted from the prompt and completion tokens < j.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +193,7 @@ def packed_layout(
     Per layer, a token's projections cost ~24·h² FLOPs and each (query, key) pair ~4·h, so the
     cost is compared as 6·h·tokens + pairs: the cache layout computes P·Lp + B·Lc tokens (every
     completion padded to the longest) and P·Lp² + B·Lc·(Lp + Lc) pairs, and pays its second
-    forward call as `CALL_TOKENS` more tokens; the packed one P·L tokens and P·L² pairs (every
+    forward call as `call_tokens` more tokens; the packed one P·L tokens and P·L² pairs (every
     completion's queries against the whole group, most of them masked).
     Short completions of uneven length (RL on small tasks) pack; long ones with a long shared
     prompt keep the cache. Only for the dense-mask attention kernels (sdpa, eager), with no
@@ -269,11 +270,25 @@ def _agreed_layout(packed: PackedRows | None, device: Any) -> PackedRows | None:
 
 
 CALL_TOKENS = 64
-"""The fixed cost of a forward call (per-layer dispatch, kernel launches, the backward's nodes),
-counted as this many tokens of projections: the cache layout makes two calls, the packed one.
-Measured on the tiny Qwen2 on one CPU thread (fwd+bwd of 2 prompts x 8 completions of 2-3
-tokens: 19.6 ms in two calls, 11.0 ms in one, for nearly equal FLOPs: the second call costs
-as much as ~50 tokens); on a GPU a call's launches weigh more, not less."""
+"""What the cache layout's second forward call costs whatever the model's size, counted as this
+many tokens of projections: the weights read once more forward and backward and the gradients
+summed over two calls. Fitted on the 48M model (`benchmarks/bench_common.MODEL_SIZES["mid"]`,
+h = 640) on one CPU thread: forward + backward of 16 shapes in both layouts, time ~ FLOPs + a
+second call, put the call at ~60 tokens (~180 ms)."""
+
+CALL_DISPATCH = 1 << 21
+"""The rest of a forward call's cost, a fixed time per layer (dispatch, kernel launches, the
+backward's nodes), is worth fewer tokens the wider the model: `CALL_DISPATCH / h²` of them. Fitted
+on the tiny Qwen2 (h = 128, forward + backward of 64 shapes on one CPU thread, 16 on two): the
+second call cost ~137 tokens on one thread and ~269 on two, so 64 + 2^21 / 128² = 192; 69 at
+h = 640, 66 at h = 1024. With 64 alone the DPO batches of `benchmarks/dpo_throughput.py` (16
+pairs, short answers) kept the cache layout, which ran them 1.4-1.5x slower."""
+
+
+def call_tokens(config: PretrainedConfig) -> int:
+    """The cost of one more forward call in tokens of `forward_cost`: `CALL_TOKENS` + `CALL_DISPATCH` / h²."""
+    h = _hidden(config)
+    return CALL_TOKENS + CALL_DISPATCH // (h * h)
 
 
 def forward_cost(config: PretrainedConfig, tokens: int, pairs: int) -> int:
@@ -283,7 +298,7 @@ def forward_cost(config: PretrainedConfig, tokens: int, pairs: int) -> int:
 
 
 def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
-    return forward_cost(config, n_prompts * lp + n_rows * lc + CALL_TOKENS,
+    return forward_cost(config, n_prompts * lp + n_rows * lc + call_tokens(config),
                         n_prompts * lp * lp + n_rows * lc * (lp + lc))
 
 
@@ -363,16 +378,23 @@ def frozen_prefix_logps(
     model: Any, batch: PrefixBatch, *, adapter_disabled: bool = False, temperature: float = 1.0
 ) -> torch.Tensor:
     """`prefix_logps` without grad, in eval mode (the reference, or old log-probs)."""
-    from contextlib import nullcontext
-
     guard = model.disable_adapter() if adapter_disabled else nullcontext()
-    was_training = model.training
+    with eval_mode(model), torch.no_grad(), guard:
+        return prefix_logps(model, batch, temperature=temperature)[0]
+
+
+@contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """`model` in eval mode inside, back in training mode after if it was. A model kept in eval
+    (a frozen reference copy) is left alone: switching walks every module twice a call."""
+    if not model.training:
+        yield
+        return
     model.eval()
     try:
-        with torch.no_grad(), guard:
-            return prefix_logps(model, batch, temperature=temperature)[0]
+        yield
     finally:
-        model.train(was_training)
+        model.train()
 
 
 def rows_logps(model: Any, tokens: Any, shared: PrefixBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
