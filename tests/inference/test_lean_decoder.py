@@ -82,15 +82,24 @@ def _steps(model, forward):
     return out, cache, mask
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["weights", "transposed"])
+@pytest.mark.parametrize("weights", ["as-is", "onednn", "transposed"])
 @pytest.mark.parametrize(
     "arch,heads,kv_heads",
     [("qwen2", 4, 2), ("qwen2", 4, 4), ("llama", 4, 1), ("mistral", 4, 2), ("qwen3", 4, 2)],
 )
-def test_logits_and_cache_match_the_model(arch, heads, kv_heads, transposed):
+def test_logits_and_cache_match_the_model(arch, heads, kv_heads, weights, monkeypatch):
+    from rollout.models import lean_decoder as lean_module
+
+    if weights == "onednn":  # every weight in oneDNN's layout (only big ones are, unpatched)
+        monkeypatch.setattr(lean_module, "PACK_MIN_ELEMENTS", 0)
+    if weights == "transposed":  # small weights, or no oneDNN linear in torch: a transposed copy
+        monkeypatch.setattr(lean_module, "_onednn_linear", lambda: False)
     model = _model(arch, heads=heads, kv_heads=kv_heads)
-    lean = lean_decoder(model, transposed=transposed)
+    lean = lean_decoder(model, prepacked=weights != "as-is")
     assert lean is not None
+    if weights != "as-is":
+        packed = lean_module.prepack_weight(model.lm_head.weight.detach())
+        assert packed.is_mkldnn == (weights == "onednn")
     ours, our_cache, mask = _steps(model, lambda m, *a: lean(*a))
     theirs, their_cache, _ = _steps(model, _reference)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -101,6 +110,46 @@ def test_logits_and_cache_match_the_model(arch, heads, kv_heads, transposed):
         for a, b in ((mine.keys, ref.keys), (mine.values, ref.values)):
             assert a.shape == b.shape
             assert torch.allclose(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=2e-5)
+
+
+def test_decode_steps_write_into_the_cache_in_place_and_survive_a_row_selection():
+    """A decode step writes its keys/values into free columns of the cache's buffers (no copy of
+    the whole cache per step, as `DynamicLayer.update`'s concatenation makes); when the engine
+    replaces the tensors (dropping a finished row), the next step copies them into new buffers once,
+    and every step's logits stay transformers'."""
+    from transformers import DynamicCache
+
+    model = _model("qwen2")
+    lean = lean_decoder(model)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 97, (3, 4), generator=gen)
+    mask = torch.ones(3, 4, dtype=torch.long)
+    caches = {"lean": DynamicCache(config=model.config), "model": DynamicCache(config=model.config)}
+    forwards = {"lean": lambda *a: lean(*a), "model": lambda *a: _reference(model, *a)}
+
+    def step(ids, mask, positions):
+        out = {k: forwards[k](ids, mask, positions, caches[k]) for k in caches}
+        assert torch.allclose(out["lean"], out["model"], atol=2e-5, rtol=0)
+
+    with torch.inference_mode():
+        step(ids, mask, torch.arange(4).expand(3, 4))
+        layer = caches["lean"].layers[0]
+        pointers = []
+        for t in range(4, 10):
+            mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=torch.long)], 1)
+            step(torch.randint(3, 97, (len(mask), 1), generator=gen), mask, torch.full((len(mask), 1), t))
+            pointers.append(layer.keys.data_ptr())
+            assert layer.keys.shape[2] == t + 1 and layer._lean_buffers[0].shape[2] > t + 1
+        assert len(set(pointers[1:])) == 1  # after the first step's copy, every step writes in place
+        keep = torch.tensor([0, 2])  # row 1 finished: the engine's row selection replaces the tensors
+        for cache in caches.values():
+            for cached in cache.layers:
+                cached.keys, cached.values = cached.keys.index_select(0, keep), cached.values.index_select(0, keep)
+        mask = mask[keep]
+        for t in range(10, 13):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            step(torch.randint(3, 97, (2, 1), generator=gen), mask, torch.full((2, 1), t))
+        assert layer.keys.shape == (2, 2, 13, 16) and layer._lean_buffers[0].shape[0] == 2
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -178,15 +227,19 @@ def test_the_engine_makes_the_same_completions_with_and_without_it(tiny_model_di
 
 
 
-def test_transposed_weight_copies_follow_every_weight_change(tiny_model_dir, other_weights_dir):
-    """On the CPU the engine multiplies by transposed copies of the weights: a weight push, a
+@pytest.mark.parametrize("layout", ["onednn", "transposed"])
+def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, other_weights_dir, layout, monkeypatch):
+    """On the CPU the engine multiplies by prepacked copies of the weights: a weight push, a
     trainer's in-place step on shared parameters (then the push it must make), and sharing a
     policy's parameters each leave it generating what transformers' forward does."""
     from transformers import AutoModelForCausalLM
 
+    from rollout.models import lean_decoder as lean_module
+
+    monkeypatch.setattr(lean_module, "PACK_MIN_ELEMENTS", 0 if layout == "onednn" else 1 << 62)
     lean = load_hf_engine(tiny_model_dir, max_batch_size=6)
     plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
-    assert lean.lean is not None and lean.lean.transposed
+    assert lean.lean is not None and lean.lean.prepacked
     requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
                 GenerationRequest("the model", params=SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5))]
 
@@ -196,6 +249,7 @@ def test_transposed_weight_copies_follow_every_weight_change(tiny_model_dir, oth
         return [t for t, _ in ours]
 
     before = same()
+    assert {w.is_mkldnn for w in lean.lean._prepacked.values()} == {layout == "onednn"}
     for engine in (lean, plain):  # a push from disk
         engine.update_weights(other_weights_dir)
     pushed = same()
@@ -212,10 +266,10 @@ def test_transposed_weight_copies_follow_every_weight_change(tiny_model_dir, oth
     assert same() != before
 
 
-def test_transposed_copies_only_for_small_weights_and_never_batch_invariant(tiny_model_dir, monkeypatch):
+def test_prepacked_copies_only_for_small_weights_and_never_batch_invariant(tiny_model_dir, monkeypatch):
     from rollout.inference import hf_engine
 
-    assert not load_hf_engine(tiny_model_dir, pad_multiple=16).lean.transposed
-    monkeypatch.setattr(hf_engine, "TRANSPOSED_MAX_BYTES", 1000)  # the tiny model's 4 MB is "large" now
+    assert not load_hf_engine(tiny_model_dir, pad_multiple=16).lean.prepacked
+    monkeypatch.setattr(hf_engine, "PREPACKED_MAX_BYTES", 1000)  # the tiny model's 4 MB is "large" now
     engine = load_hf_engine(tiny_model_dir)
-    assert engine.lean is not None and not engine.lean.transposed
+    assert engine.lean is not None and not engine.lean.prepacked

@@ -76,10 +76,9 @@ a row's padding is fixed modulo 16 by its own length, so its tokens *and* log-pr
 whichever requests share the batch: a group made by a Ray rollout worker with some groups equals
 the group made locally with all of them (`rollout.rl.ray_rollout`)."""
 
-TRANSPOSED_MAX_BYTES = 1 << 30
-"""The largest weights (bytes) the CPU engine keeps transposed copies of (`LeanDecoder`): the copies
-double the weights' memory, and the products they speed up gain most while the weights fit the
-caches (1.4-2.9x at 16 rows, hot; ~1.13x with weights read from memory, benchmarks/README.md)."""
+PREPACKED_MAX_BYTES = 1 << 30
+"""The largest weights (bytes) the CPU engine keeps prepacked copies of (`LeanDecoder`): the copies
+double the weights' memory (benchmarks/README.md has what they gain)."""
 
 BATCH_INVARIANT_ROWS = 4
 """With `pad_multiple > 1`, the fewest rows a forward pass runs with (copies of a row fill it up):
@@ -152,10 +151,10 @@ class HFEngine:
         multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
         on_cpu = next(model.parameters()).device.type == "cpu"
-        small = sum(p.numel() * p.element_size() for p in model.parameters()) <= TRANSPOSED_MAX_BYTES
-        self.lean = lean_decoder(model, transposed=on_cpu and small and pad_multiple == 1) if lean else None
+        small = sum(p.numel() * p.element_size() for p in model.parameters()) <= PREPACKED_MAX_BYTES
+        self.lean = lean_decoder(model, prepacked=on_cpu and small and pad_multiple == 1) if lean else None
         """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
-        on the CPU, for weights up to `TRANSPOSED_MAX_BYTES`, with transposed weight copies (not
+        on the CPU, for weights up to `PREPACKED_MAX_BYTES`, with prepacked weight copies (not
         under `pad_multiple`: the batch-invariance measurements were made with the weights as
         they are)."""
         self.tokenizer = tokenizer

@@ -43,9 +43,9 @@ MAX_PACKED_PREFILL = 1 << 24
 """Most (query, key) pairs of a packed prefill (its bool mask: 16 MiB)."""
 
 
-def lean_decoder(model: Any, *, transposed: bool = False) -> LeanDecoder | None:
+def lean_decoder(model: Any, *, prepacked: bool = False) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
-    `transposed`: multiply by transposed copies of the weights (see `LeanDecoder`)."""
+    `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`)."""
     from rollout.models.prefix import sliding_window
 
     config = getattr(model, "config", None)
@@ -72,26 +72,28 @@ def lean_decoder(model: Any, *, transposed: bool = False) -> LeanDecoder | None:
             return None
     if not _is_rms_norm(getattr(inner, "norm", None)) or getattr(inner, "rotary_emb", None) is None:
         return None
-    return LeanDecoder(model, transposed=transposed)
+    return LeanDecoder(model, prepacked=prepacked)
 
 
 class LeanDecoder:
     """`__call__(ids, mask, positions, cache)`: the model's logits at the last position.
 
-    With `transposed`, each projection multiplies by a contiguous [in, out] copy of its weight
-    (made on first use) instead of the [out, in] weight itself: on the CPU a product of a few rows
-    by a transposed operand repacks the weight on every call, and at batch 16 that repacking costs
-    more than the product (measured, one thread: 1.4-2.9x slower for the ~48M and the tiny model's
-    shapes, see benchmarks/README.md). The copies double the weights' memory and are only right
-    while the weights are unchanged: `refresh()` drops them after every weight change (the engine
-    calls it from `update_weights` and `share_parameters`, which a trainer sharing its parameters
-    calls after each optimizer step)."""
+    With `prepacked`, each projection multiplies by a copy of its weight made on first use
+    (`prepack_weight`): in oneDNN's blocked layout (float32), else transposed to [in, out]. On the
+    CPU, `F.linear` of a few rows repacks the [out, in] weight on every call, and at batch 16 that
+    repacking costs more than the product; a transposed copy saves part of it and the blocked
+    layout all of it (products of the ~48M model's shapes at 16 rows, weights read from memory, one
+    thread: ~1.4x faster than `F.linear`, ~1.3x faster than the transposed copy; see
+    benchmarks/README.md). The copies double the weights' memory and are only right while the
+    weights are unchanged: `refresh()` drops them after every weight change (the engine calls it
+    from `update_weights` and `share_parameters`, which a trainer sharing its parameters calls
+    after each optimizer step)."""
 
-    def __init__(self, model: Any, *, transposed: bool = False) -> None:
+    def __init__(self, model: Any, *, prepacked: bool = False) -> None:
         config = model.config
         self.model = model
-        self.transposed = transposed
-        self._weights_t: dict[int, torch.Tensor] = {}
+        self.prepacked = prepacked
+        self._prepacked: dict[int, torch.Tensor] = {}
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
@@ -104,7 +106,8 @@ class LeanDecoder:
         x, cos, sin = self._embed(ids, positions)
         attn_mask = _attention_mask(mask, ids.shape[1])
         for i, layer in enumerate(self.model.model.layers):
-            x = self._layer(layer, cache.layers[i].update, x, cos, sin, attn_mask)
+            cached = cache.layers[i]
+            x = self._layer(layer, lambda k, v, c=cached: _append(c, k, v), x, cos, sin, attn_mask)
         return self._logits(x[:, -1])
 
     def packs(self, lengths: Sequence[int], width: int) -> bool:
@@ -152,16 +155,18 @@ class LeanDecoder:
         return self._logits(x[0, (lengths.cumsum(0) - 1).to(device)])
 
     def refresh(self) -> None:
-        """Forget the transposed weight copies (the weights changed); they are made again on use."""
-        self._weights_t.clear()
+        """Forget the prepacked weight copies (the weights changed); they are made again on use."""
+        self._prepacked.clear()
 
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not self.transposed:
+        if not self.prepacked:
             return F.linear(x, layer.weight, layer.bias)
-        weight_t = self._weights_t.get(id(layer))
-        if weight_t is None:
-            weight_t = self._weights_t[id(layer)] = layer.weight.detach().t().contiguous()
-        out = torch.matmul(x, weight_t)
+        weight = self._prepacked.get(id(layer))
+        if weight is None:
+            weight = self._prepacked[id(layer)] = prepack_weight(layer.weight.detach())
+        if weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, layer.bias, "none", [], "")
+        out = torch.matmul(x, weight)
         return out if layer.bias is None else out + layer.bias
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,6 +207,78 @@ class LeanDecoder:
         x = x + self._linear(attn.o_proj, out)
         h = _rms_norm(layer.post_attention_layernorm, x)
         return x + self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, h)) * self._linear(mlp.up_proj, h))
+
+
+KV_HEADROOM = 32
+"""Fewest free columns a key/value buffer gets when `_append` (re)allocates it."""
+
+
+def _append(layer: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer.update(k, v)` (a `DynamicLayer`) without copying the whole cache every step.
+
+    `DynamicLayer.update` concatenates: each decode step copies every cached key and value, per
+    layer (the 48M model at batch 16: ~16% of `generate`'s time, all in `torch.cat`). Here the
+    layer's `keys`/`values` become views of the first columns of buffers with free columns after
+    them, and a step writes only its own columns. Whatever replaces `keys`/`values` with other
+    tensors (the engine's row selection, merges, `model(...)`) is still right: when they are not
+    the views of the buffers any more, the next call copies them into new buffers once. Buffers
+    grow by half their used length, at least `KV_HEADROOM` columns. The attention reads the views
+    (strided, not copied): the same results, bit for bit."""
+    if not getattr(layer, "is_initialized", False) or layer.keys is None or not layer.keys.numel():
+        return layer.update(k, v)
+    keys, values = layer.keys, layer.values
+    rows, heads, n, dim = keys.shape
+    t = k.shape[2]
+    buffers = getattr(layer, "_lean_buffers", None)
+    if buffers is None or not _views_of(keys, values, buffers) or n + t > buffers[0].shape[2]:
+        capacity = n + t + max(KV_HEADROOM, (n + t) // 2)
+        buffers = (keys.new_empty(rows, heads, capacity, dim), values.new_empty(rows, heads, capacity, dim))
+        buffers[0][:, :, :n] = keys
+        buffers[1][:, :, :n] = values
+        layer._lean_buffers = buffers
+    buffers[0][:, :, n : n + t] = k
+    buffers[1][:, :, n : n + t] = v
+    layer.keys, layer.values = buffers[0][:, :, : n + t], buffers[1][:, :, : n + t]
+    return layer.keys, layer.values
+
+
+def _views_of(keys: torch.Tensor, values: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether keys/values are the leading columns of `buffers` (all rows, from column 0)."""
+    return all(
+        t.data_ptr() == b.data_ptr() and t.shape[0] == b.shape[0] and t.stride() == b.stride()
+        and t.shape[1] == b.shape[1] and t.shape[3] == b.shape[3]
+        for t, b in ((keys, buffers[0]), (values, buffers[1]))
+    )
+
+
+PACK_MIN_ELEMENTS = 1 << 18
+"""The smallest weight (elements) `prepack_weight` gives oneDNN's layout. A oneDNN product costs
+~35 us more per call than `mm` and packing ~0.27 ms per weight: on the tiny model's 128x512
+weights `mm` on a transposed copy stays faster (one thread: 128->512 at 16 rows 21 vs 56 us, and
+a GRPO step, which renews its weights every step, generated in 66 ms instead of 42); from the
+48M model's 640x640 up the packed products win (at 16 rows 247 vs 344 us)."""
+
+PACK_ROWS = 64
+"""The row count oneDNN lays a packed weight out for: the products run fast for any count, but
+packed for 1 row a 16-row product took 1.4x as long as packed for 16, 64 or 256 (48M model's
+shapes, one thread)."""
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] (a CPU tensor) laid out for products with a few rows of activations:
+    oneDNN's blocked layout (an mkldnn tensor) for a float32 weight of `PACK_MIN_ELEMENTS` or
+    more where torch has it, else a contiguous transposed copy [in, out]."""
+    if weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_ELEMENTS and _onednn_linear():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+    return weight.t().contiguous()
+
+
+def _onednn_linear() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def _attention_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
