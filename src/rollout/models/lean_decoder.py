@@ -13,7 +13,8 @@ model's own, taken from its modules: the same parameter tensors (so weight pushe
 transformers computes it (float32, then the input dtype), the same scaled-dot-product attention
 with grouped-query heads packed (one query token) or repeated (a prefill) as transformers' sdpa
 path does, and the key/value cache is the transformers `DynamicCache` the engine already keeps
-(`layer.update`). Logits agree with `model(...)` to float rounding (tested per architecture).
+(its layers' `keys`/`values`, which decode steps extend in place: `_append`). Logits agree with
+`model(...)` to float rounding (tested per architecture).
 
 It runs decoders whose layers are exactly pre-norm attention + gated MLP with RMSNorm and rotary
 positions: llama, mistral, qwen2 and qwen3 (with its per-head q/k norms), under the sdpa kernel,
