@@ -149,8 +149,9 @@ def calibrate(model, shapes: int, threads: int) -> None:  # type: ignore[no-unty
         if n_prompts * n > 64 or n_prompts * (lp + n * lc) > 2500:
             continue
         width = lp + n * lc
-        flops_cache = 6 * h * n_prompts * (lp + n * lc) + n_prompts * (lp * lp + n * lc * (lp + lc))
-        if not 0.6 < (6 * h * n_prompts * width + n_prompts * width * width) / flops_cache < 1.6:
+        cache_flops = prefix.forward_cost(model.config, n_prompts * width, n_prompts * (lp * lp + n * lc * (lp + lc)))
+        packed_flops = prefix.forward_cost(model.config, n_prompts * width, n_prompts * width * width)
+        if not 0.6 < packed_flops / cache_flops < 1.6:
             continue  # far from the boundary: the choice is clear whatever a call costs
         prompts, completions = [], []
         for _ in range(n_prompts):
@@ -173,8 +174,9 @@ def calibrate(model, shapes: int, threads: int) -> None:  # type: ignore[no-unty
             prefix.packed_layout = chosen_by_cost
         (p_, lp_), (b_, lc_) = batch.prompt_ids.shape, batch.completion_ids.shape
         w_ = layouts["packed"].input_ids.shape[1]
-        rows.append([6 * h * (p_ * lp_ + b_ * lc_) + p_ * lp_ * lp_ + b_ * lc_ * (lp_ + lc_), 1, 1])
-        rows.append([6 * h * p_ * w_ + p_ * w_ * w_, 0, 1])
+        # the FLOP estimates without the second call's price, which is what is fitted
+        rows.append([prefix.forward_cost(model.config, p_ * lp_ + b_ * lc_, p_ * lp_ * lp_ + b_ * lc_ * (lp_ + lc_)), 1, 1])
+        rows.append([prefix.forward_cost(model.config, p_ * w_, p_ * w_ * w_), 0, 1])
         times += [statistics.median(measured["cache"]), statistics.median(measured["packed"])]
         print(f"  {p_:2d} prompts x {lp_:3d}, {b_:2d} rows x {lc_:3d}, packed width {w_:4d}: "
               f"cache {times[-2] * 1e3:7.2f} ms, packed {times[-1] * 1e3:7.2f} ms", flush=True)
