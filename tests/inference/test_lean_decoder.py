@@ -186,11 +186,94 @@ def test_a_packed_prefill_leaves_what_the_padded_one_does(arch):
     assert torch.allclose(after_packed, after_padded, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch,kv_heads", [("qwen2", 2), ("llama", 1), ("qwen3", 2)])
+def test_packed_rows_train_through_it_with_the_bits_of_the_model(arch, kv_heads, monkeypatch):
+    """`prefix_logps` on packed rows runs the decoder lean (`lean_hidden_states`): log-probs,
+    entropies and every parameter's gradient equal those of `model.model(...)` bit for bit."""
+    from rollout.models import lean_decoder as lean_module
+    from rollout.models import prefix
+    from rollout.models.prefix import collate_prefix, prefix_logps
+
+    model = _model(arch, kv_heads=kv_heads).train()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (6, 3)]
+    rows = collate_prefix([prompts[i % 2] for i in range(6)],
+                          [torch.randint(3, 97, (1 + i % 4,), generator=gen).tolist() for i in range(6)], 0)
+    packed = prefix.packed_layout
+    monkeypatch.setattr(prefix, "packed_layout", lambda b, c, d=torch.float32: packed(b, c, d, force=True))
+    calls = []
+    real = lean_module.lean_hidden_states
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    def run(lean):
+        monkeypatch.setattr(lean_module, "lean_hidden_states", counted if lean else (lambda *a: None))
+        model.zero_grad(set_to_none=True)
+        logps, entropy = prefix_logps(model, rows, with_entropy=True)
+        (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+        return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lean, plain = run(True), run(False)
+    assert calls == [True]
+    assert torch.equal(lean[0], plain[0]) and torch.equal(lean[1], plain[1])
+    assert all(torch.equal(lean[2][n], plain[2][n]) for n in plain[2])
+    assert any(g.abs().sum() > 0 for g in plain[2].values())
+
+
+def test_lean_hidden_states_steps_aside_where_the_forward_does_more():
+    """Hooks, a replaced forward, attention dropout while training: None (the caller then calls
+    the model); in eval mode dropout does not apply and it runs."""
+    from rollout.models.lean_decoder import lean_hidden_states
+
+    ids = torch.randint(3, 97, (1, 5))
+    positions = torch.arange(5)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    model = _model("qwen2")
+    want = model.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    assert torch.equal(lean_hidden_states(model, ids, positions, mask), want)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    handle.remove()
+    model.model.layers[0].self_attn.q_proj.forward = lambda x: x  # e.g. accelerate's offloading
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    dropout = _model("qwen2", attention_dropout=0.1)
+    assert lean_hidden_states(dropout.train(), ids, positions, mask) is None
+    assert lean_hidden_states(dropout.eval(), ids, positions, mask) is not None
+
+
 def test_a_padding_query_never_makes_nan():
     model = _model("qwen2")
     ours, cache, _ = _steps(model, lambda m, *a: lean_decoder(m)(*a))
     assert all(bool(torch.isfinite(x).all()) for x in ours)
     assert all(bool(torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_give_transformers_bits(dtype):
+    """The shortened RMSNorm (torch's `rms_norm` for float32) and rotary (`roll` with a signed sin)
+    give exactly what transformers' modules give, not merely close values."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+    from rollout.models.lean_decoder import _rms_norm, _rotary
+
+    torch.manual_seed(0)
+    for width, rows in ((64, 1), (128, 16), (640, 3), (896, 2)):
+        norm = Qwen2RMSNorm(width, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width))
+        x = (torch.randn(rows, 5, width) * 3).to(dtype)
+        assert torch.equal(_rms_norm(norm, x), norm(x)), width
+    q, k = torch.randn(2, 4, 5, 32).to(dtype), torch.randn(2, 2, 5, 32).to(dtype)
+    angles = torch.randn(2, 5, 16)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    signed = torch.cat((-sin[..., :16], sin[..., 16:]), -1)[:, None]
+    assert torch.equal(_rotary(q, cos[:, None], signed), want_q)
+    assert torch.equal(_rotary(k, cos[:, None], signed), want_k)
 
 
 def test_models_it_does_not_run_get_none():

@@ -100,6 +100,22 @@ def test_logps_at_a_temperature_are_of_the_scaled_distribution(model, layout, te
     assert torch.allclose(frozen, logps, atol=1e-6)
 
 
+def test_entropies_are_minus_sum_p_log_p_even_where_p_underflows(model):
+    """At temperature 0.005 most of the vocabulary has log p far below -87, where float32 exp
+    underflows: each entropy still equals -sum p log p of its row's full distribution (float64)."""
+    b = _batch()
+    _, entropy = prefix_logps(model, b, with_entropy=True, temperature=0.005)
+    want = []
+    for p, c in ROWS:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPTS[p] + c])).logits[0].double() / 0.005
+        logp = torch.log_softmax(logits[len(PROMPTS[p]) - 1 : len(PROMPTS[p]) + len(c) - 1], -1)
+        assert float(logp.min()) < -87  # the regime the softmax-based entropy is there for
+        want.append((-(logp.exp() * logp).sum(-1)).tolist())
+    for got, expected in zip(_rows(entropy, b), want, strict=True):
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
 def test_gradients_equal_the_full_rows(model, layout):
     m = copy.deepcopy(model).train()
     b = _batch()
