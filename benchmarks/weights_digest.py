@@ -6,10 +6,10 @@
 
 A refactor that claims "behaviour unchanged" must leave these digests
 byte-identical. The digests hold for one machine: CPU kernels differ in the
-last bits between CPUs (the baseline here was written on a 2-core AVX-512 Intel VM on
-2026-11-27, after the prefix layout's second call was priced by model width, which moved the
-dpo, grpo and ppo digests; the commit before gave 4 of the 10 digests of the previous baseline,
-from another VM. On another machine, run the script on the commit before a change first and
+last bits between CPUs (the baseline here was written on a 2-core AMD EPYC VM on
+2026-11-27, after `target_logps` left logsumexp for log_softmax, which moved the kto digest
+only; the commit before gave none of the 10 digests of the previous baseline, written on an
+Intel VM. On another machine, run the script on the commit before a change first and
 compare with that). The script makes the tiny model and the arithmetic data in a
 temporary folder, then runs each example config from `examples/` through the
 real CLI (`rollout train <kind>`, one subprocess each) with its paths rewritten

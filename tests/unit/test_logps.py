@@ -8,7 +8,7 @@ import torch
 from rollout.data.collate import collate_packed, collate_padded, collate_pairs
 from rollout.data.packing import Segment
 from rollout.data.tokenize import TokenizedPair, TokenizedSample
-from rollout.losses.logps import completion_logps, decoder_and_head, sequence_logps
+from rollout.losses.logps import completion_logps, decoder_and_head, sequence_logps, target_logps
 
 PAD = 0
 # Prompts and answers of different lengths so rows are right-padded differently.
@@ -75,6 +75,28 @@ def test_completion_logps_ignores_first_position_and_is_differentiable():
     assert float(logps.detach()) == pytest.approx(-torch.log(torch.tensor(4.0)).item(), abs=1e-6)
     logps.sum().backward()
     assert logits.grad[0, 0, 2] > 0 and logits.grad[0, 1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 60.0])
+def test_target_logps_values_and_gradients_equal_log_softmax_in_float64(scale):
+    """The hand-written backward (onehot - softmax) against autograd through float64 log_softmax,
+    on ordinary rows and on peaked ones (most logits > 87 below the max: exp underflows), with a
+    target picked twice (its gradients add up)."""
+    torch.manual_seed(2)
+    logits = (torch.randn(6, 50) * scale).requires_grad_()
+    targets = torch.tensor([3, 3, 49, 0, 17, 3])
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    got = target_logps(logits, targets)
+    (got * weights).sum().backward()
+    ref = logits.detach().double().requires_grad_()
+    want = torch.log_softmax(ref, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (want * weights.double()).sum().backward()
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5 * scale)
+    assert torch.allclose(logits.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
+    bf16 = logits.detach().bfloat16().requires_grad_()
+    target_logps(bf16, targets).sum().backward()  # float32 math, the gradient back in bfloat16
+    assert bf16.grad.dtype == torch.bfloat16 and bool(torch.isfinite(bf16.grad.float()).all())
 
 
 def test_right_padding_does_not_change_the_result(model):
