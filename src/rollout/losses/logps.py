@@ -73,8 +73,8 @@ class _TargetLogps(torch.autograd.Function):
     """`log_softmax(logits).gather(targets)` with only `logits` saved for the backward
     (d/dlogits = grad * (onehot(target) - softmax(logits))). Not `logit[target] -
     logsumexp(logits)`: on the CPU logsumexp is unfused and its `exp` takes a slow path wherever
-    a logit lies more than ~87 below its row's max -- 4x slower forward+backward than this at 600
-    x 512 on one thread, 15x on a peaked policy's rows."""
+    a logit lies more than ~87 below its row's max -- 2.3x slower forward+backward than this at
+    600 x 512 on one thread, 8x on a peaked policy's rows (`benchmarks/logps_kernels.py`)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, logits: Tensor, targets: Tensor) -> Tensor:

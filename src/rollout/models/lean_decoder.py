@@ -47,7 +47,7 @@ MAX_PACKED_PREFILL = 1 << 24
 def lean_decoder(model: Any, *, prepacked: bool = False) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
     `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`)."""
-    from rollout.models.prefix import sliding_window
+    from rollout.models.arch import sliding_window
 
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in ARCHITECTURES:
@@ -155,9 +155,9 @@ class LeanDecoder:
 
     def packs(self, lengths: Sequence[int], width: int) -> bool:
         """Whether prompts of these lengths prefill cheaper packed (`prefill_packed`) than
-        left-padded to `width` (`prefix.forward_cost`): P·w tokens and P·w² pairs padded, S tokens
+        left-padded to `width` (`arch.forward_cost`): P·w tokens and P·w² pairs padded, S tokens
         and S² pairs packed (S = the prompts' total length); never past `MAX_PACKED_PREFILL` pairs."""
-        from rollout.models.prefix import forward_cost
+        from rollout.models.arch import forward_cost
 
         total, rows = sum(lengths), len(lengths)
         if rows < 2 or total * total > MAX_PACKED_PREFILL:
@@ -338,11 +338,11 @@ def _attention_mask(mask: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm: normalised in float32, cast back, then scaled. For float32 (weight
-    and input) torch's `rms_norm` runs the same operations in the same order -- the same bits --
-    with less dispatch (~5 us less per call on one CPU thread); for other dtypes its rounding
-    differs, so those take transformers' formula."""
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled. On the CPU, for float32
+    (weight and input), torch's `rms_norm` runs the same operations in the same order -- the same
+    bits -- with less dispatch (~5 us less per call on one thread); for other dtypes its rounding
+    differs, and on CUDA it may be a fused kernel, so those take transformers' formula."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     dtype = x.dtype
     h = x.to(torch.float32)

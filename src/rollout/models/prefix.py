@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rollout.data.collate import to_additive_mask
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
+from rollout.models.arch import forward_cost, hidden_size, sliding_window
 from rollout.models.kv_cache import cache_kwarg, returned_cache
 
 if TYPE_CHECKING:
@@ -301,14 +302,8 @@ pairs, short answers) kept the cache layout, which ran them 1.4-1.5x slower."""
 
 def call_tokens(config: PretrainedConfig) -> int:
     """The cost of one more forward call in tokens of `forward_cost`: `CALL_TOKENS` + `CALL_DISPATCH` / h²."""
-    h = _hidden(config)
+    h = hidden_size(config)
     return CALL_TOKENS + CALL_DISPATCH // (h * h)
-
-
-def forward_cost(config: PretrainedConfig, tokens: int, pairs: int) -> int:
-    """A forward's estimated cost, for comparing layouts of the same work: per layer a token's
-    projections take ~24·h² FLOPs and a (query, key) pair ~4·h, so 6·h·tokens + pairs."""
-    return 6 * _hidden(config) * tokens + pairs
 
 
 def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
@@ -320,19 +315,6 @@ def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
     return forward_cost(config, n_prompts * width, n_prompts * width * width)
 
 
-def _hidden(config: PretrainedConfig) -> int:
-    return int(getattr(config, "hidden_size", 0) or 0) or 1
-
-
-def sliding_window(config: PretrainedConfig) -> int | None:
-    """The attention window of a model that has one on some layer, else None."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return int(window) if any("sliding" in str(t) for t in layer_types) else None
-    return int(window) if getattr(config, "use_sliding_window", True) else None
 
 
 def _prefix_forward(module: Any, batch: PrefixBatch, config: PretrainedConfig) -> tuple[Any, Any]:
@@ -384,7 +366,7 @@ def prefix_logps(
     entropy = None
     if with_entropy:
         with torch.no_grad():  # -sum p log p, p from softmax: `logp_all.exp()` takes the CPU's slow
-            # path wherever log p < -87 (exp underflows), ~6x slower on a peaked policy's rows
+            # path wherever log p < -87 (exp underflows), ~10x slower on a peaked policy's rows
             ent = -(torch.softmax(logits.detach(), dim=-1) * logp_all.detach()).sum(-1)
         entropy = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent)
     return logps, entropy
