@@ -76,6 +76,32 @@ def test_engine_sampler_failures_reach_every_future() -> None:
     asyncio.run(main())
 
 
+def test_rounds_on_the_caller_thread_give_the_same_answers_there_and_their_failures() -> None:
+    """`rounds_on_caller_thread` (on-policy RL with the in-process engine): `submit_all`'s one call
+    runs on the event loop's own thread and its futures are done on return; errors reach every
+    future as from the worker; `sample()` (multi-turn batching) stays on the worker thread."""
+    engine = FakeEngine()
+
+    async def main() -> list[str]:
+        sampler = EngineSampler(engine, max_batch=8)
+        sampler.rounds_on_caller_thread = True
+        futures = sampler.submit_all(requests("ab", "cd", "ef"))
+        assert all(f.done() for f in futures)
+        outs = await asyncio.gather(*futures)
+        single = (await sampler.sample("xy", SamplingParams()),)
+        failing = EngineSampler(FakeEngine(fail=True), max_batch=8)
+        failing.rounds_on_caller_thread = True
+        for future in failing.submit_all(requests("a", "b")):
+            with pytest.raises(GenerationError, match="boom"):
+                await future
+        return [c[0].text for c in [*outs, single]]
+
+    assert asyncio.run(main()) == ["ba", "dc", "fe", "yx"]
+    assert engine.calls == [["ab", "cd", "ef"], ["xy"]]
+    assert engine.threads[0] == threading.current_thread().name
+    assert engine.threads[1] != threading.current_thread().name
+
+
 def test_batching_sampler_batches_and_refuses_what_does_not_fit() -> None:
     engine = FakeEngine()
 

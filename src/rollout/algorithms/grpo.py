@@ -35,6 +35,7 @@ from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     episode_setup,
+    generate_on_training_thread,
     max_completion_tokens,
     require_samples,
     resolve_reward_specs,
@@ -192,6 +193,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     version = source.restore(loop) if ctx.resume_from is not None else 0
     shared = share_policy_weights(rollout_engine, model, pipelined=source.pipelined, lora=s.lora is not None,
                                   distributed=ctx.dist.active)
+    generate_on_training_thread(rollout_engine, manager, pipelined=source.pipelined)
 
     extra = snapshot_extra(cfg, model_class="causal_lm")
     rec.event(

@@ -34,6 +34,7 @@ from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     episode_setup,
+    generate_on_training_thread,
     require_samples,
     resolve_reward_specs,
     share_policy_weights,
@@ -176,6 +177,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     version = source.restore(loop) if ctx.resume_from is not None else 0
     shared = share_policy_weights(rollout_engine, policy, pipelined=source.pipelined, lora=s.lora is not None,
                                   distributed=ctx.dist.active)
+    generate_on_training_thread(rollout_engine, manager, pipelined=source.pipelined)
 
     extra = snapshot_extra(cfg, model_class="causal_lm", policy_prefix=POLICY)
     rec.event("train_start", algorithm="ppo", total_steps=total_steps, start_step=loop.step, device=str(device),

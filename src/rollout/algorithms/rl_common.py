@@ -222,6 +222,20 @@ def share_policy_weights(
     return bool(share(policy))
 
 
+def generate_on_training_thread(rollout_engine: Any, manager: Any, *, pipelined: bool) -> bool:
+    """On-policy single-turn rounds of the in-process engine: generate on the event loop's thread,
+    the one that trains (`EngineSampler.rounds_on_caller_thread`: one OpenMP team, not two). Not
+    when pipelined (generation overlaps training), not for multi-turn episodes (their tool calls'
+    timeouts run on the loop), not for remote engines. True when set."""
+    sampler = getattr(rollout_engine, "sampler", None)
+    if pipelined or getattr(manager, "episodes", None) is not None or not hasattr(sampler, "rounds_on_caller_thread"):
+        return False
+    if not isinstance(getattr(rollout_engine, "weight_sync", None), InProcessWeightSync):
+        return False
+    sampler.rounds_on_caller_thread = True
+    return True
+
+
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
     return {
         "samples": [s.to_dict() for s in batch.samples], "num_prompts": batch.num_prompts,

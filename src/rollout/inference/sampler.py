@@ -165,6 +165,13 @@ class EngineSampler:
         self._in_flight = 0
         self._scheduled = False
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="rollout-sampler")
+        self.rounds_on_caller_thread = False
+        """`submit_all` calls `engine.generate` on the calling (event loop) thread instead of a worker
+        thread. For an in-process engine whose rounds nothing else runs beside (on-policy RL): torch's
+        OpenMP runtime gives every thread that computes its own team of intra-op threads, and two
+        teams on the cores take turns waking each other up -- at 2 threads on 2 cores the tiny
+        model's generation took 45 ms on a worker thread and 20 ms on the training thread, the
+        training step after it 66 and 32 (`benchmarks/omp_teams.py`)."""
 
     async def sample(self, prompt: Prompt, params: SamplingParams, *, tools: Tools = None) -> Completion:
         failures, solo = 0, False
@@ -238,11 +245,22 @@ class EngineSampler:
 
     def submit_all(self, requests: Sequence[GenerationRequest]) -> list[asyncio.Future[Choices]]:
         """`requests` as they are (n choices each, their own seeds) in one `engine.generate` call on a
-        worker thread, started now; one future per request. No retries, and outside `max_batch`: an
+        worker thread, started now (on this thread, done on return, with `rounds_on_caller_thread`);
+        one future per request. No retries, and outside `max_batch`: an
         RL rollout round is exactly one call, whatever its size."""
         loop = asyncio.get_running_loop()
-        batch = loop.run_in_executor(self._pool, self.engine.generate, list(requests))
         futures: list[asyncio.Future[Choices]] = [loop.create_future() for _ in requests]
+        if self.rounds_on_caller_thread:
+            try:
+                outputs = self.engine.generate(list(requests))
+            except Exception as err:  # as from the worker thread: every request's future gets it
+                for future in futures:
+                    future.set_exception(err)
+            else:
+                for future, output in zip(futures, outputs, strict=True):
+                    future.set_result(output)
+            return futures
+        batch = loop.run_in_executor(self._pool, self.engine.generate, list(requests))
 
         def split(done: asyncio.Future[list[Choices]]) -> None:
             for i, future in enumerate(futures):
