@@ -25,8 +25,11 @@ change in the machine's load falls on all sides alike. The ratio reported is the
 of the per-repeat ratios (each from sides that ran back to back); min/median/max are
 over the repeats. Repeats go on until that median is stable (it moved < 2% with the
 last repeat) after `--min-repeats`, up to `--max-repeats`, or until the job's share of
-`--budget-min` is spent. `OMP_WAIT_POLICY=PASSIVE` unless `--omp-spin`: on a machine
-that other processes keep busy, spinning OpenMP threads stall each other.
+`--budget-min` is spent. OpenMP threads keep torch's default (`OMP_WAIT_POLICY` unset: idle
+threads spin a while before they sleep), as users run it; `--omp-passive` sets PASSIVE (idle
+threads sleep at once), which steadies figures on a machine that other processes keep busy but
+made every 2-thread figure ~1.5-2x slower for both sides on the 2-core VMs and hid a slowdown
+only spinning threads showed (two OpenMP teams waking each other: benchmarks/README.md).
 
 Writes `benchmarks/results/<date>-<host>.md` (the table, versions, load average) and
 `.json` (every repeat's figures) unless `--no-write`.
@@ -75,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-min", type=float, help="total minutes to aim for (default 15 quick, 45 full)")
     p.add_argument("--min-repeats", type=int, help="default 3")
     p.add_argument("--max-repeats", type=int, help="default 4 quick, 7 full")
-    p.add_argument("--omp-spin", action="store_true", help="leave OMP_WAIT_POLICY alone (default PASSIVE)")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="set OMP_WAIT_POLICY=PASSIVE (default: unset, OpenMP's spinning, as users run)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--worker", choices=JOBS, help=argparse.SUPPRESS)  # one job, one thread count
@@ -316,8 +320,10 @@ def run_worker(job: str, threads: int, budget_s: float, args: argparse.Namespace
            "--budget-s", f"{budget_s:.0f}", "--min-repeats", str(args.min_repeats),
            "--max-repeats", str(args.max_repeats), *(["--quick"] if args.quick else [])]
     env = dict(os.environ)
-    if not args.omp_spin:
+    if args.omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        env.pop("OMP_WAIT_POLICY", None)
     env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     result = None
@@ -444,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now()
     meta = {"date": now.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(), "versions": versions(),
             "cpus": os.cpu_count(), "mode": "quick" if args.quick else "full",
-            "omp": "spin (unset)" if args.omp_spin else "PASSIVE",
+            "omp": "PASSIVE" if args.omp_passive else "spin (unset)",
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "minutes": (time.perf_counter() - started) / 60}

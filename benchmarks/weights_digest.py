@@ -6,10 +6,11 @@
 
 A refactor that claims "behaviour unchanged" must leave these digests
 byte-identical. The digests hold for one machine: CPU kernels differ in the
-last bits between CPUs (the baseline here was written on a 2-core AMD EPYC VM on
-2026-11-27, after `target_logps` left logsumexp for log_softmax, which moved the kto digest
-only; the commit before gave none of the 10 digests of the previous baseline, written on an
-Intel VM. On another machine, run the script on the commit before a change first and
+last bits between CPUs (the baseline here was written on a 2-core Intel Xeon VM on
+2026-11-27 19:45, after short RL rounds stopped multiplying by prepacked weight copies
+(`rl_common.plan_weight_copies`), which moved the grpo-tiny and grpo-tiny+lora+ref digests only;
+on that VM the commit before gave none of the 10 digests of the previous baseline, written on an
+AMD EPYC VM. On another machine, run the script on the commit before a change first and
 compare with that). The script makes the tiny model and the arithmetic data in a
 temporary folder, then runs each example config from `examples/` through the
 real CLI (`rollout train <kind>`, one subprocess each) with its paths rewritten

@@ -356,3 +356,38 @@ def test_prepacked_copies_only_for_small_weights_and_never_batch_invariant(tiny_
     monkeypatch.setattr(hf_engine, "PREPACKED_MAX_BYTES", 1000)  # the tiny model's 4 MB is "large" now
     engine = load_hf_engine(tiny_model_dir)
     assert engine.lean is not None and not engine.lean.prepacked
+
+
+def test_rl_rounds_too_short_to_pay_for_weight_copies_run_without_them(tiny_model_dir):
+    """An RL trainer replaces the weights after every round, so the engine's prepacked copies are
+    made again each round: `plan_weight_copies` keeps them only when a completion may run to at least
+    `PREPACK_MIN_TOKENS` tokens, for the whole run (so every round computes the same way). Without
+    them the engine still makes transformers' tokens; engines that never copy, or remote ones, say no."""
+    from types import SimpleNamespace
+
+    from rollout.algorithms.rl_common import plan_weight_copies
+    from rollout.models.lean_decoder import PREPACK_MIN_TOKENS
+
+    engine = load_hf_engine(tiny_model_dir, max_batch_size=6)
+    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
+    requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=2))]
+    expected = _completions(plain, requests)
+
+    def same() -> bool:  # transformers' tokens, its log-probs to float rounding
+        ours = _completions(engine, requests)
+        return [t for t, _ in ours] == [t for t, _ in expected] and all(
+            abs(a - b) < 1e-5 for (_, x), (_, y) in zip(ours, expected, strict=True) for a, b in zip(x, y, strict=True))
+
+    assert same() and engine.lean._prepacked  # copies by default
+
+    rounds = SimpleNamespace(engine=engine)
+    assert plan_weight_copies(rounds, max_completion=PREPACK_MIN_TOKENS - 1) is False
+    assert not engine.lean.prepacked and engine.lean._prepacked == {}
+    assert same() and engine.lean._prepacked == {}
+
+    assert plan_weight_copies(rounds, max_completion=PREPACK_MIN_TOKENS) is True
+    assert same() and engine.lean._prepacked
+
+    assert load_hf_engine(tiny_model_dir, pad_multiple=16).use_prepacked_weights(True) is False
+    assert plain.use_prepacked_weights(True) is False
+    assert plan_weight_copies(SimpleNamespace(engine=object()), max_completion=64) is False

@@ -35,6 +35,8 @@ from rollout.algorithms.rl_common import (
     BatchSource,
     episode_setup,
     generate_on_training_thread,
+    max_completion_tokens,
+    plan_weight_copies,
     require_samples,
     resolve_reward_specs,
     share_policy_weights,
@@ -178,11 +180,12 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     shared = share_policy_weights(rollout_engine, policy, pipelined=source.pipelined, lora=s.lora is not None,
                                   distributed=ctx.dist.active)
     generate_on_training_thread(rollout_engine, manager, pipelined=source.pipelined)
+    weight_copies = plan_weight_copies(rollout_engine, max_completion=max_completion_tokens(s.max_tokens, s.env))
 
     extra = snapshot_extra(cfg, model_class="causal_lm", policy_prefix=POLICY)
     rec.event("train_start", algorithm="ppo", total_steps=total_steps, start_step=loop.step, device=str(device),
               num_prompts=len(data), num_skipped_lines=report.num_skipped, rewards=[n for n, _, _ in reward_fns],
-              engine_shares_weights=shared, resumed_from=ctx.resume_from.id if ctx.resume_from else None)
+              engine_shares_weights=shared, engine_weight_copies=weight_copies, resumed_from=ctx.resume_from.id if ctx.resume_from else None)
 
     last: dict[str, float] = {}
     empty_streak = 0

@@ -206,6 +206,12 @@ def build_engine(
     return SamplingEngine(engine, EngineSampler(engine, max_batch=max_batch), InProcessWeightSync(engine))
 
 
+def _on_policy_in_process(rollout_engine: Any, *, pipelined: bool) -> bool:
+    """The engine samples in this process (weights handed over in memory) and generation never
+    overlaps an optimizer step: what sharing parameters and generating inline both require."""
+    return not pipelined and isinstance(getattr(rollout_engine, "weight_sync", None), InProcessWeightSync)
+
+
 def share_policy_weights(
     rollout_engine: Any, policy: torch.nn.Module, *, pipelined: bool, lora: bool, distributed: bool
 ) -> bool:
@@ -215,9 +221,7 @@ def share_policy_weights(
     as with a copy: the engine computes with the same values. True when the engine now shares."""
     engine = getattr(rollout_engine, "engine", None)
     share = getattr(engine, "share_parameters", None)
-    if pipelined or lora or distributed or share is None:
-        return False
-    if not isinstance(getattr(rollout_engine, "weight_sync", None), InProcessWeightSync):
+    if lora or distributed or share is None or not _on_policy_in_process(rollout_engine, pipelined=pipelined):
         return False
     return bool(share(policy))
 
@@ -228,12 +232,25 @@ def generate_on_training_thread(rollout_engine: Any, manager: Any, *, pipelined:
     when pipelined (generation overlaps training), not for multi-turn episodes (their tool calls'
     timeouts run on the loop), not for remote engines. True when set."""
     sampler = getattr(rollout_engine, "sampler", None)
-    if pipelined or getattr(manager, "episodes", None) is not None or not hasattr(sampler, "rounds_on_caller_thread"):
+    if getattr(manager, "episodes", None) is not None or not hasattr(sampler, "rounds_on_caller_thread"):
         return False
-    if not isinstance(getattr(rollout_engine, "weight_sync", None), InProcessWeightSync):
+    if not _on_policy_in_process(rollout_engine, pipelined=pipelined):
         return False
     sampler.rounds_on_caller_thread = True
     return True
+
+
+def plan_weight_copies(rollout_engine: Any, *, max_completion: int) -> bool:
+    """The in-process hf engine keeps prepacked weight copies (`HFEngine.use_prepacked_weights`)
+    only where a completion may run to `lean_decoder.PREPACK_MIN_TOKENS` tokens or more: the next
+    optimizer step replaces the weights after every round, so the copies are made again for each
+    round, and short rounds do not pay for them. Decided once per run from its settings, so every
+    round computes the same way (a copy and `F.linear` can differ in the last bit) and a resumed
+    run as the uninterrupted one. True when the engine multiplies by copies."""
+    from rollout.models.lean_decoder import PREPACK_MIN_TOKENS
+
+    use = getattr(getattr(rollout_engine, "engine", None), "use_prepacked_weights", None)
+    return bool(use(max_completion >= PREPACK_MIN_TOKENS)) if use is not None else False
 
 
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:

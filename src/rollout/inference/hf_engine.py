@@ -152,7 +152,8 @@ class HFEngine:
         self.model = model
         on_cpu = next(model.parameters()).device.type == "cpu"
         small = sum(p.numel() * p.element_size() for p in model.parameters()) <= PREPACKED_MAX_BYTES
-        self.lean = lean_decoder(model, prepacked=on_cpu and small and pad_multiple == 1) if lean else None
+        self._prepack = on_cpu and small and pad_multiple == 1
+        self.lean = lean_decoder(model, prepacked=self._prepack) if lean else None
         """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
         on the CPU, for weights up to `PREPACKED_MAX_BYTES`, with prepacked weight copies (not
         under `pad_multiple`: the batch-invariance measurements were made with the weights as
@@ -302,6 +303,17 @@ class HFEngine:
             self._weights_version += 1
             self._kept.clear()
         return True
+
+    def use_prepacked_weights(self, enabled: bool) -> bool:
+        """Whether the lean forward multiplies by prepacked weight copies (on where it can: the CPU,
+        weights up to `PREPACKED_MAX_BYTES`, no `pad_multiple`). Copies are made again after every
+        weight change, so an RL trainer whose rounds are short turns them off for its run
+        (`rl_common.plan_weight_copies`). Returns whether copies are used now."""
+        with self._lock:
+            if self.lean is None or not self._prepack:
+                return False
+            self.lean.set_prepacked(enabled)
+            return enabled
 
     def close(self) -> None:
         """Nothing to release beyond the model itself (garbage collected)."""

@@ -130,7 +130,7 @@ class LeanDecoder:
     benchmarks/README.md). The copies double the weights' memory and are only right while the
     weights are unchanged: `refresh()` drops them after every weight change (the engine calls it
     from `update_weights` and `share_parameters`, which a trainer sharing its parameters calls
-    after each optimizer step)."""
+    after each optimizer step). `set_prepacked` turns them on or off (`PREPACK_MIN_TOKENS`)."""
 
     def __init__(self, model: Any, *, prepacked: bool = False) -> None:
         config = model.config
@@ -199,6 +199,11 @@ class LeanDecoder:
 
     def refresh(self) -> None:
         """Forget the prepacked weight copies (the weights changed); they are made again on use."""
+        self._prepacked.clear()
+
+    def set_prepacked(self, prepacked: bool) -> None:
+        """Multiply by prepacked copies from now on, or by the weights as they are (copies dropped)."""
+        self.prepacked = prepacked
         self._prepacked.clear()
 
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -295,6 +300,17 @@ def _views_of(keys: torch.Tensor, values: torch.Tensor, buffers: tuple[torch.Ten
         for t, b in ((keys, buffers[0]), (values, buffers[1]))
     )
 
+
+PREPACK_MIN_TOKENS = 16
+"""The fewest tokens per completion an RL trainer's rounds may run to for the engine to keep its
+prepacked copies (`HFEngine.use_prepacked_weights`, `rl_common.plan_weight_copies`): the trainer
+changes the weights after every round, so the copies are made again for every round, and a round
+multiplies by each weight about once per token (per batch of rows). In isolation (hot cache) a copy
+costs what ~1-14 products of 16 rows with it save over `F.linear` (21 for one row; the tiny and
+the 48M model's shapes, one and two threads); in a GRPO loop they lost: the tiny model, 16 rows x
+<= 8 tokens (`grpo_step.py`, 2 threads, interleaved pairs): 0.0343 s/step with copies, 0.0269
+without (generation 0.0139 -> 0.0099 s; 8 pairs), and 0.0407 / 0.0358 in a slower hour (6 pairs;
+copies into reused buffers 0.0397: not the allocation); one thread 0.0338 both."""
 
 PACK_MIN_ELEMENTS = 1 << 18
 """The smallest weight (elements) `prepack_weight` gives oneDNN's layout. A oneDNN product costs
