@@ -34,12 +34,10 @@ from rollout.algorithms.registry import TrainResult
 from rollout.algorithms.rl_common import (
     BatchSource,
     episode_setup,
-    generate_on_training_thread,
     max_completion_tokens,
-    plan_weight_copies,
     require_samples,
     resolve_reward_specs,
-    share_policy_weights,
+    set_up_rollout_engine,
     snapshot_rl,
 )
 from rollout.backends.torch_backend import build_torch_backend, pick_device
@@ -177,10 +175,10 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     loop = await restore_or_start(ctx, backend)
     source = BatchSource(manager, rollout_engine.weight_sync, pipelined=s.off_policy_steps == 1)
     version = source.restore(loop) if ctx.resume_from is not None else 0
-    shared = share_policy_weights(rollout_engine, policy, pipelined=source.pipelined, lora=s.lora is not None,
-                                  distributed=ctx.dist.active)
-    generate_on_training_thread(rollout_engine, manager, pipelined=source.pipelined)
-    weight_copies = plan_weight_copies(rollout_engine, max_completion=max_completion_tokens(s.max_tokens, s.env))
+    shared, weight_copies = set_up_rollout_engine(
+        rollout_engine, policy, manager, pipelined=source.pipelined, lora=s.lora is not None,
+        distributed=ctx.dist.active, max_completion=max_completion_tokens(s.max_tokens, s.env),
+    )
 
     extra = snapshot_extra(cfg, model_class="causal_lm", policy_prefix=POLICY)
     rec.event("train_start", algorithm="ppo", total_steps=total_steps, start_step=loop.step, device=str(device),

@@ -253,6 +253,18 @@ def plan_weight_copies(rollout_engine: Any, *, max_completion: int) -> bool:
     return bool(use(max_completion >= PREPACK_MIN_TOKENS)) if use is not None else False
 
 
+def set_up_rollout_engine(
+    rollout_engine: Any, policy: torch.nn.Module, manager: Any, *, pipelined: bool, lora: bool, distributed: bool,
+    max_completion: int,
+) -> tuple[bool, bool]:
+    """What an RL trainer sets up on its rollout engine before the first round: sharing the
+    policy's parameters, generating on the training thread, keeping weight copies (the three
+    functions above). (engine shares weights, engine multiplies by weight copies)."""
+    shared = share_policy_weights(rollout_engine, policy, pipelined=pipelined, lora=lora, distributed=distributed)
+    generate_on_training_thread(rollout_engine, manager, pipelined=pipelined)
+    return shared, plan_weight_copies(rollout_engine, max_completion=max_completion)
+
+
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
     return {
         "samples": [s.to_dict() for s in batch.samples], "num_prompts": batch.num_prompts,
