@@ -4,6 +4,9 @@
 # python3 that has a CUDA torch; the other packages come from wheels in .whl/ when that folder exists
 # (`bash benchmarks/gpu_wheels.sh` fetches them). Logs go to $OUT (or local/gpu-bench);
 # each step has its own time limit, so one failure leaves the others' figures.
+# With BASE=<a checkout's src folder> (e.g. `.base/src` from `git archive HEAD src`, carried too),
+# the engine's decode rate is also timed under both trees, alternately (engine_timing.py).
+# STEPS picks and orders the steps (default: all, the suite first).
 #
 #     bash benchmarks/gpu.sh            # ~8 minutes on one H100/H200
 set -u
@@ -13,10 +16,11 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
-    export PYTHONPATH=/tmp/site:$PWD/src
+    site=/tmp/site:
 else
-    export PYTHONPATH=$PWD/src
+    site=
 fi
+export PYTHONPATH=$site$PWD/src
 # the tests start `rollout` from python's bin folder: without an install there, a wrapper
 py_exe=$(python3 -c 'import sys; print(sys.executable)')
 if [ ! -e "$(dirname "$py_exe")/rollout" ]; then
@@ -41,13 +45,28 @@ python3 -c "import sys, torch, transformers, trl; print('python', sys.version.sp
 'transformers', transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
 
 common=(--device cuda --dtype bfloat16 --threads 4)
-# the 48M model at batch 16 (issue 14's figure); the large model's naive loop alone ran past 80 s
-step generation "${GEN_S:-80}" python3 benchmarks/generation.py --models mid --mid-prompts 16 \
-    --mid-max-tokens 64 --no-server --work-dir /tmp/gpu-bench-models "${common[@]}"
-step sft "${SFT_S:-170}" python3 benchmarks/sft_throughput.py --model large --data mixed --batch-size 32 \
-    --steps 40 --warmup-steps 10 --repeats 2 "${common[@]}"
-step grpo "${GRPO_S:-110}" python3 benchmarks/grpo_step.py --model large --prompts 8 --generations 8 \
-    --max-tokens 32 --steps 16 --warmup-steps 4 --repeats 1 --runs rollout,trl --reward-window 4 "${common[@]}"
-TAIL=30 step pytest-cuda "${PYTEST_S:-130}" python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 100 \
-    --tb=short -rf tests/inference tests/rl tests/unit tests/test_snapshots.py
+for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft}; do
+    case $name in
+    pytest-cuda)
+        TAIL=30 step pytest-cuda "${PYTEST_S:-140}" python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 100 \
+            --tb=short -rf ${PYTEST_ARGS:-tests/inference tests/rl tests/unit tests/test_snapshots.py} ;;
+    grpo)  # the training pass in each layout (auto picks one of them) against TRL, interleaved
+        step grpo "${GRPO_S:-170}" python3 benchmarks/grpo_step.py --model large --prompts 8 --generations 8 \
+            --max-tokens 32 --steps 14 --warmup-steps 4 --repeats "${GRPO_REPEATS:-1}" --runs "${GRPO_RUNS:-rollout-cache,rollout-packed,trl}" \
+            --reward-window 4 "${common[@]}" ;;
+    engine-ab)
+        if [ -n "${BASE:-}" ]; then  # one process per run, alternating trees (site: the carried wheels)
+            step engine-ab "${AB_S:-100}" bash -c 'for i in $(seq "$4"); do for tree in "$1" "$2"; do
+                PYTHONPATH=$3$tree python3 benchmarks/engine_timing.py --model mid --prompts 32 --max-tokens 64 \
+                    --repeats "$5" --work-dir /tmp/gpu-bench-models --device cuda --dtype bfloat16 --threads 4 \
+                    || exit; done; done' _ "$BASE" "$PWD/src" "$site" "${AB_PAIRS:-3}" "${AB_REPEATS:-3}"
+        fi ;;
+    generation)  # the 48M model at batch 16 (issue 14's figure); the large model's naive loop ran past 80 s
+        step generation "${GEN_S:-80}" python3 benchmarks/generation.py --models mid --mid-prompts 16 \
+            --mid-max-tokens 64 --no-server --work-dir /tmp/gpu-bench-models "${common[@]}" ;;
+    sft)
+        step sft "${SFT_S:-170}" python3 benchmarks/sft_throughput.py --model large --data mixed --batch-size 32 \
+            --steps 40 --warmup-steps 10 --repeats 2 "${common[@]}" ;;
+    esac
+done
 echo "total $(( $(date +%s) - started ))s"

@@ -12,6 +12,9 @@ existing one), then trains GRPO from it on `prompts.jsonl` three ways:
 
   rollout      `rollout.algorithms.grpo.train_grpo`, `off_policy_steps = 0` (generate, then train);
   rollout-op1  the same with `off_policy_steps = 1` (the next batch is generated while this one trains);
+  rollout-packed / rollout-cache  `rollout` with the training pass's layout forced (`models/prefix.py`:
+               each prompt with its completions in one packed row, or the prompt pass then the
+               completion pass on its cache) instead of chosen by estimated cost: a layout A/B;
   trl          `trl.GRPOTrainer`, plain transformers generation (`use_vllm=False`);
 
 and prints seconds per optimizer step for each, the ratio TRL / rollout (higher
@@ -99,7 +102,7 @@ from bench_common import (
 
 LR = 1e-3
 CLIP = 0.2
-RUNS = ("rollout", "rollout-op1", "trl")
+RUNS = ("rollout", "rollout-op1", "trl", "rollout-packed", "rollout-cache")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--reward-window", type=int, default=50, help="steps averaged for the first/last reward (default 50)"
     )
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--runs", default=",".join(RUNS[:3]), help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument(
         "--model-dir",
         type=Path,
@@ -361,6 +364,7 @@ def run_rollout(
     *,
     seed: int,
     off_policy_steps: int,
+    layout: str | None = None,
 ) -> Measurement:
     from rollout.algorithms.grpo import train_grpo
     from rollout.config import load_config
@@ -386,7 +390,17 @@ def run_rollout(
             device=args.device,
         )
     )
-    result = train_grpo(load_config(config_path))
+    if layout is None:
+        result = train_grpo(load_config(config_path))
+    else:  # the training pass's layout forced: packed rows, or the prompt pass + completion pass
+        from rollout.models import prefix
+
+        chosen = prefix.packed_layout
+        prefix.packed_layout = functools.partial(chosen, force=layout == "packed")
+        try:
+            result = train_grpo(load_config(config_path))
+        finally:
+            prefix.packed_layout = chosen
     store = open_store("embedded", path=work / "rollout.db")
     try:
         step_end = {
@@ -601,7 +615,7 @@ def print_table(results: dict[str, list[Measurement]], args: argparse.Namespace)
     reference = statistics.median(m.s_per_step for m in results["trl"]) if "trl" in results else None
     print()
     print(
-        f"{'run':<12} | {'s/step':>6} | {'TRL/this':>8} | {'generate':>8} | {'sample+score':>12} | "
+        f"{'run':<14} | {'s/step':>6} | {'TRL/this':>8} | {'generate':>8} | {'sample+score':>12} | "
         f"{'rest':>6} | {'train':>6} | {'tokens/compl':>12} | {f'reward first {w}':>15} | {f'reward last {w}':>14}"
     )
     print("-" * 128)
@@ -610,7 +624,7 @@ def print_table(results: dict[str, list[Measurement]], args: argparse.Namespace)
         ratio = f"{reference / sps:.2f}x" if reference is not None else "-"
         train = [m.train_s for m in ms if m.train_s is not None]
         print(
-            f"{run:<12} | {sps:>6.3f} | {ratio:>8} | {statistics.median(m.generation_s for m in ms):>8.3f} | "
+            f"{run:<14} | {sps:>6.3f} | {ratio:>8} | {statistics.median(m.generation_s for m in ms):>8.3f} | "
             f"{statistics.median(m.sample_s for m in ms):>12.3f} | "
             f"{statistics.median(m.s_per_step - m.sample_s for m in ms):>6.3f} | "
             f"{f'{statistics.median(train):.3f}' if train else '-':>6} | "
@@ -653,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "rollout": functools.partial(run_rollout, off_policy_steps=0),
         "rollout-op1": functools.partial(run_rollout, off_policy_steps=1),
+        "rollout-packed": functools.partial(run_rollout, off_policy_steps=0, layout="packed"),
+        "rollout-cache": functools.partial(run_rollout, off_policy_steps=0, layout="cache"),
         "trl": run_trl,
     }
     runners = {name: fn for name, fn in runners.items() if name in args.runs}

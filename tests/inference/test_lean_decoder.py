@@ -320,8 +320,8 @@ def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, othe
     from rollout.models import lean_decoder as lean_module
 
     monkeypatch.setattr(lean_module, "PACK_MIN_ELEMENTS", 0 if layout == "onednn" else 1 << 62)
-    lean = load_hf_engine(tiny_model_dir, max_batch_size=6)
-    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
+    lean = load_hf_engine(tiny_model_dir, max_batch_size=6, device="cpu")  # the copies are the CPU's
+    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False, device="cpu")
     assert lean.lean is not None and lean.lean.prepacked
     requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
                 GenerationRequest("the model", params=SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5))]
@@ -368,8 +368,8 @@ def test_rl_rounds_too_short_to_pay_for_weight_copies_run_without_them(tiny_mode
     from rollout.algorithms.rl_common import plan_weight_copies
     from rollout.models.lean_decoder import PREPACK_MIN_TOKENS
 
-    engine = load_hf_engine(tiny_model_dir, max_batch_size=6)
-    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False)
+    engine = load_hf_engine(tiny_model_dir, max_batch_size=6, device="cpu")  # the copies are the CPU's
+    plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False, device="cpu")
     requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=2))]
     expected = _completions(plain, requests)
 

@@ -97,7 +97,7 @@ def test_chat_completion_logprobs_are_exact(client: openai.OpenAI, engine: HFEng
     prompt_ids = engine.tokenize(CHAT)
     assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(token_ids)
     lps = [e.logprob for e in choice.logprobs.content]
-    ids = torch.tensor([list(prompt_ids) + token_ids])
+    ids = torch.tensor([list(prompt_ids) + token_ids], device=engine.device)
     with torch.no_grad():
         ref = engine.model(input_ids=ids).logits[0].float().log_softmax(-1)
     expected = [ref[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(token_ids)]

@@ -208,7 +208,8 @@ def packed_layout(
     Per layer, a token's projections cost ~24·h² FLOPs and each (query, key) pair ~4·h, so the
     cost is compared as 6·h·tokens + pairs: the cache layout computes P·Lp + B·Lc tokens (every
     completion padded to the longest) and P·Lp² + B·Lc·(Lp + Lc) pairs, and pays its second
-    forward call as `call_tokens` more tokens; the packed one P·L tokens and P·L² pairs (every
+    forward call as `call_tokens` more tokens (far more on a GPU, where a call is its kernel
+    launches); the packed one P·L tokens and P·L² pairs (every
     completion's queries against the whole group, most of them masked).
     Short completions of uneven length (RL on small tasks) pack; long ones with a long shared
     prompt keep the cache. Only for the dense-mask attention kernels (sdpa, eager), with no
@@ -228,9 +229,9 @@ def packed_layout(
     window = sliding_window(config)
     if n_prompts * width * width > MAX_PACKED_MASK or (window is not None and width > window):
         return None
-    if force is None and _packed_cost(config, n_prompts, width) >= _cache_cost(config, n_prompts, lp, n_rows, lc):
-        return None
     device = batch.completion_ids.device
+    if force is None and not packing_is_cheaper(config, n_prompts, lp, n_rows, lc, width, device.type):
+        return None
     # host-side layout: each row's segment (-2 pad, -1 prompt, b completion row b) and positions
     segment = [[-1] * n for n in plen]
     position = [list(range(n)) for n in plen]
@@ -300,21 +301,34 @@ h = 640, 66 at h = 1024. With 64 alone the DPO batches of `benchmarks/dpo_throug
 pairs, short answers) kept the cache layout, which ran them 1.4-1.5x slower."""
 
 
-def call_tokens(config: PretrainedConfig) -> int:
-    """The cost of one more forward call in tokens of `forward_cost`: `CALL_TOKENS` + `CALL_DISPATCH` / h²."""
+CALL_LAUNCHES = 1 << 32
+"""On a GPU the second call costs its kernel launches instead: ~45 a layer forward and backward,
+each ~8 µs of host time in which the device (~400 TFLOP/s on bf16 products) could have run a token's
+24·h² FLOPs per layer for ~6e9 / h² tokens; taken as 2^32 / h² (4,096 tokens at h = 1024, 256 at
+h = 4096, where a call's arithmetic hides its launches). Measured on an H200 (2026-11-27, bf16,
+`grpo_step.py --model large`: h = 1024, 8 prompts x 8 completions x 32 tokens): the training pass
+took 0.051 s/step packed and 0.115 with the cache's two calls, at equal tokens, where the CPU's
+price (66 tokens there) kept the cache layout."""
+
+
+def call_tokens(config: PretrainedConfig, device_type: str = "cpu") -> int:
+    """The cost of one more forward call in tokens of `forward_cost`: `CALL_TOKENS` + `CALL_DISPATCH` / h²
+    on the CPU, `CALL_TOKENS` + `CALL_LAUNCHES` / h² on an accelerator (`device_type` other than cpu)."""
     h = hidden_size(config)
-    return CALL_TOKENS + CALL_DISPATCH // (h * h)
+    return CALL_TOKENS + (CALL_DISPATCH if device_type == "cpu" else CALL_LAUNCHES) // (h * h)
 
 
-def _cache_cost(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int) -> int:
-    return forward_cost(config, n_prompts * lp + n_rows * lc + call_tokens(config),
-                        n_prompts * lp * lp + n_rows * lc * (lp + lc))
+def packing_is_cheaper(config: PretrainedConfig, n_prompts: int, lp: int, n_rows: int, lc: int, width: int,
+                       device_type: str = "cpu") -> bool:
+    """Whether P packed rows of `width` cost less than the cache layout's prompt pass (P x `lp`) and
+    completion pass (B x `lc`) with its second call (`call_tokens`) on this kind of device."""
+    cache = forward_cost(config, n_prompts * lp + n_rows * lc + call_tokens(config, device_type),
+                         n_prompts * lp * lp + n_rows * lc * (lp + lc))
+    return _packed_cost(config, n_prompts, width) < cache
 
 
 def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
     return forward_cost(config, n_prompts * width, n_prompts * width * width)
-
-
 
 
 def _prefix_forward(module: Any, batch: PrefixBatch, config: PretrainedConfig) -> tuple[Any, Any]:
