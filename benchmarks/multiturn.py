@@ -246,6 +246,9 @@ def run_rollout(engine: CountingEngine, rows: Sequence[Mapping[str, Any]], args:
     from rollout.rl.episode import EpisodeLimits, run_episodes
 
     sampler = EngineSampler(engine, max_batch=len(rows) * args.generations)
+    # each turn's engine call on this thread, as an on-policy RL trainer's rounds run
+    # (`rl_common.generate_on_training_thread`): one OpenMP team for every variant in this process
+    sampler.rounds_on_caller_thread = True
     limits = EpisodeLimits(max_turns=args.turns, max_episode_tokens=engine.max_model_len)
     try:
         groups = asyncio.run(

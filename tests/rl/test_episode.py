@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -287,3 +288,40 @@ def test_the_hf_engine_renders_tools_like_the_episode_prompt(rl_engine, tokenize
     with_tools = rl_engine.tokenize(messages, [schema])
     assert list(with_tools) == list(prompt_ids(tokenizer, messages, tools=[schema]))
     assert with_tools != rl_engine.tokenize(messages)
+
+
+class SlowEngine:
+    """An in-process engine whose `generate` blocks its thread for `seconds` (a big batch on the
+    CPU) and answers from a script; records the thread of every call."""
+
+    def __init__(self, scripted: ScriptedSampler, seconds: float) -> None:
+        self.scripted, self.seconds, self.threads = scripted, seconds, []
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[tuple[Completion, ...]]:
+        self.threads.append(threading.current_thread())
+        time.sleep(self.seconds)
+        return [f.result() for f in self.scripted.submit_all(requests)]
+
+
+def test_episodes_generating_on_the_loop_thread_spend_none_of_a_tool_steps_timeout(tokenizer):
+    """On-policy RL generates on the event loop's thread (`rl_common.generate_on_training_thread`),
+    which blocks the loop for the whole engine call. Turns are synchronous (every env step of a turn
+    ends before the next turn's engine call starts), so a call longer than `step_timeout_s` eats
+    into no step's time: every episode ends `done`, none `env_error`."""
+    from rollout.inference.sampler import EngineSampler
+
+    class SleepyTool(ToolThenAnswer):
+        async def step(self, message: Mapping[str, str]) -> StepResult:
+            await asyncio.sleep(0.02)
+            return await super().step(message)
+
+    replies = {(g, j): [("call", "stop"), ("it is 42", "stop")] for g in (0, 1) for j in range(2)}
+    engine = SlowEngine(ScriptedSampler(tokenizer, replies, seed_table(7, [0, 1], 2, 2)), seconds=0.3)
+    sampler = EngineSampler(engine, max_batch=8)
+    sampler.rounds_on_caller_thread = True
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=200, step_timeout_s=0.2)
+    groups = run(sampler, tokenizer, SleepyTool, [(0, {"q": "6*7?"}), (1, {"q": "7*6?"})], n=2, limits=limits)
+    episodes = [ep for group in groups for ep in group]
+    assert [ep.finish_reason for ep in episodes] == ["done"] * 4 and all(ep.reward == 1.0 for ep in episodes)
+    assert engine.threads == [threading.main_thread()] * 2  # one engine call per turn, on the loop's thread
+    sampler.close()

@@ -191,7 +191,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     source = BatchSource(manager, rollout_engine.weight_sync, pipelined=s.off_policy_steps == 1)
     version = source.restore(loop) if ctx.resume_from is not None else 0
     shared, weight_copies = set_up_rollout_engine(
-        rollout_engine, model, manager, pipelined=source.pipelined, lora=s.lora is not None,
+        rollout_engine, model, pipelined=source.pipelined, lora=s.lora is not None,
         distributed=ctx.dist.active, max_completion=max_completion,
     )
 

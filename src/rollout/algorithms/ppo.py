@@ -176,7 +176,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     source = BatchSource(manager, rollout_engine.weight_sync, pipelined=s.off_policy_steps == 1)
     version = source.restore(loop) if ctx.resume_from is not None else 0
     shared, weight_copies = set_up_rollout_engine(
-        rollout_engine, policy, manager, pipelined=source.pipelined, lora=s.lora is not None,
+        rollout_engine, policy, pipelined=source.pipelined, lora=s.lora is not None,
         distributed=ctx.dist.active, max_completion=max_completion_tokens(s.max_tokens, s.env),
     )
 
