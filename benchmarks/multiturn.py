@@ -48,17 +48,20 @@ positions (what the prefill forwards computed: distinct prompts per call x the
 call's longest prompt, since the engine left-pads a batch and prefills equal
 prompts once; TRL: rows x longest prompt per `model.generate`).
 
-What the hf engine reuses, and what it does not (so you know where the speed
-comes from): `HFEngine.generate` opens a fresh decode session per call, and the
-KV cache lives only inside that call. Every turn is a new call, so the whole
-token context (prompt + earlier turns) is prefilled again each turn -- in the
-rollout variant too; there is no KV-cache reuse across turns today. Inside one
+What the hf engine reuses (so you know where the speed comes from): every turn
+is a new `HFEngine.generate` call, but the rollout variant's requests carry the
+episode's `cache_key` (`rl/episode.py`), so the engine keeps each episode's
+key/value cache between turns and prefills only the last sampled token and the
+env's answer (`inference/kept_cache.py`; "prefill tok" in the table); the naive,
+batched and TRL variants prefill the whole context again each turn. Inside one
 call, equal prompts are prefilled once (the `--generations` copies of a prompt at
 turn 1) and all rows decode together. So rollout vs naive measures batching
-(one forward per decode step for all live episodes instead of one per episode)
-plus not re-rendering text; rollout vs batched measures only what token-level
-context saves: rendering and tokenising every conversation each turn (small:
-~0.5 ms per conversation here), and a shorter context to prefill. Prompt tokens
+(one forward per decode step for all live episodes instead of one per episode),
+not re-rendering text and the kept caches; rollout vs batched measures what
+token-level context and the kept caches save: rendering and tokenising every
+conversation each turn (small: ~0.5 ms per conversation here), and the context
+prefilled again. Each turn's engine call runs on the calling thread, as an
+on-policy RL trainer's rounds do (`EngineSampler.rounds_on_caller_thread`). Prompt tokens
 differ between variants because the context is built differently: rollout keeps
 the sampled ids and closes an unfinished turn with `<|im_end|>`; TRL
 concatenates ids without closing the turn; naive / batched re-tokenise the
