@@ -102,6 +102,29 @@ def test_rounds_on_the_caller_thread_give_the_same_answers_there_and_their_failu
     assert engine.threads[1] != threading.current_thread().name
 
 
+def test_on_policy_rounds_of_the_in_process_engine_generate_on_the_training_thread(tmp_path: Path) -> None:
+    """`rl_common.generate_on_training_thread` sets `rounds_on_caller_thread` for on-policy rounds
+    of an in-process engine -- single-turn rounds and multi-turn episodes alike (the episodes'
+    turns are synchronous: tests/rl/test_episode.py) -- and not when pipelined or remote."""
+    from types import SimpleNamespace
+
+    from rollout.algorithms.rl_common import generate_on_training_thread
+
+    def rollout_engine(sync: type) -> SimpleNamespace:
+        engine = FakeEngine()
+        weight_sync = sync(engine) if sync is InProcessWeightSync else sync(engine, tmp_path / "w")
+        return SimpleNamespace(sampler=EngineSampler(engine, max_batch=4), weight_sync=weight_sync)
+
+    local = rollout_engine(InProcessWeightSync)
+    assert generate_on_training_thread(local, pipelined=False) and local.sampler.rounds_on_caller_thread
+    pipelined = rollout_engine(InProcessWeightSync)
+    assert not generate_on_training_thread(pipelined, pipelined=True)
+    assert not pipelined.sampler.rounds_on_caller_thread
+    remote = rollout_engine(DiskReloadWeightSync)
+    assert not generate_on_training_thread(remote, pipelined=False) and not remote.sampler.rounds_on_caller_thread
+    assert not generate_on_training_thread(SimpleNamespace(sampler=None), pipelined=False)  # a group runner
+
+
 def test_batching_sampler_batches_and_refuses_what_does_not_fit() -> None:
     engine = FakeEngine()
 
