@@ -58,8 +58,8 @@ for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft}; do
         if [ -n "${BASE:-}" ]; then  # one process per run, alternating trees (site: the carried wheels)
             step engine-ab "${AB_S:-100}" bash -c 'for i in $(seq "$4"); do for tree in "$1" "$2"; do
                 PYTHONPATH=$3$tree python3 benchmarks/engine_timing.py --model mid --prompts 32 --max-tokens 64 \
-                    --repeats "$5" --work-dir /tmp/gpu-bench-models --device cuda --dtype bfloat16 --threads 4 \
-                    || exit; done; done' _ "$BASE" "$PWD/src" "$site" "${AB_PAIRS:-3}" "${AB_REPEATS:-3}"
+                    --repeats "$5" --work-dir /tmp/gpu-bench-models "${@:6}" || exit; done; done' \
+                _ "$BASE" "$PWD/src" "$site" "${AB_PAIRS:-3}" "${AB_REPEATS:-3}" "${common[@]}"
         fi ;;
     generation)  # the 48M model at batch 16 (issue 14's figure); the large model's naive loop ran past 80 s
         step generation "${GEN_S:-80}" python3 benchmarks/generation.py --models mid --mid-prompts 16 \

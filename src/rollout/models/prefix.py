@@ -322,13 +322,10 @@ def packing_is_cheaper(config: PretrainedConfig, n_prompts: int, lp: int, n_rows
                        device_type: str = "cpu") -> bool:
     """Whether P packed rows of `width` cost less than the cache layout's prompt pass (P x `lp`) and
     completion pass (B x `lc`) with its second call (`call_tokens`) on this kind of device."""
+    packed = forward_cost(config, n_prompts * width, n_prompts * width * width)
     cache = forward_cost(config, n_prompts * lp + n_rows * lc + call_tokens(config, device_type),
                          n_prompts * lp * lp + n_rows * lc * (lp + lc))
-    return _packed_cost(config, n_prompts, width) < cache
-
-
-def _packed_cost(config: PretrainedConfig, n_prompts: int, width: int) -> int:
-    return forward_cost(config, n_prompts * width, n_prompts * width * width)
+    return packed < cache
 
 
 def _prefix_forward(module: Any, batch: PrefixBatch, config: PretrainedConfig) -> tuple[Any, Any]:
