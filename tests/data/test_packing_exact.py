@@ -142,3 +142,38 @@ def test_wrapped_packed_losses_equal_unpacked_for_uncut_samples(model, samples, 
                 want = ref_ce[s.sample, : s.end - 1][ref_weight[s.sample, : s.end - 1]]
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             t += s.end - s.start
+
+
+@pytest.mark.parametrize("layout", ["padded", "unpadded", "packed"])
+def test_sft_loss_runs_the_decoder_lean_with_the_bits_of_the_model(model, samples, chatml_tokenizer, layout,
+                                                                  monkeypatch):
+    """SFT's loss runs padded and packed (sdpa) batches through `lean_hidden_states`: its loss and
+    every parameter's gradient equal those of the transformers decoder bit for bit; LoRA-wrapped,
+    hooked or eager models take the decoder (`test_lean_decoder.py`)."""
+    from rollout.algorithms import sft
+
+    pad = chatml_tokenizer.pad_token_id
+    if layout == "packed":
+        batch = collate_packed(pack_bfd([len(s.input_ids) for s in samples], 64), samples, pad, pad_to=64)
+    else:
+        same = [s for s in samples if len(s.input_ids) == len(samples[0].input_ids)]
+        batch = collate_padded(same if layout == "unpadded" else samples, pad)
+        assert bool(batch.attention_mask.bool().all()) == (layout == "unpadded")
+    model.set_attn_implementation("sdpa")
+    calls = []
+    real = sft.lean_hidden_states
+
+    def run(lean: bool):
+        monkeypatch.setattr(sft, "lean_hidden_states", (lambda *a: calls.append(a) or real(*a)) if lean else
+                            (lambda *a: None))
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss, metrics = sft.make_sft_loss_fn(float(batch.num_loss_tokens))(model, batch)
+            loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lean, plain = run(True), run(False)
+    assert len(calls) == 1
+    assert torch.equal(lean[0], plain[0]) and lean[0] > 0
+    assert all(torch.equal(lean[1][n], plain[1][n]) for n in plain[1])
+    model.zero_grad(set_to_none=True)

@@ -276,6 +276,31 @@ def test_norm_and_rotary_give_transformers_bits(dtype):
     assert torch.equal(_rotary(k, cos[:, None], signed), want_k)
 
 
+@pytest.mark.parametrize("layout", ["onednn", "transposed"])
+def test_stacked_projections_give_each_layers_product(layout, monkeypatch):
+    """Prepacked, q/k/v (and gate/up) multiply as one stacked copy; split, each part is that
+    layer's own product with its bias -- also where only some of the stacked layers have one."""
+    from rollout.models import lean_decoder as lean_module
+
+    if layout == "onednn":
+        monkeypatch.setattr(lean_module, "PACK_MIN_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(lean_module, "_onednn_linear", lambda: False)
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(64, 48), torch.nn.Linear(64, 16, bias=False), torch.nn.Linear(64, 16))
+    lean = lean_decoder(_model("qwen2"), prepacked=True)
+    x = torch.randn(5, 3, 64)
+    with torch.inference_mode():
+        parts = lean._linears(layers, x)
+        assert lean._prepacked[tuple(id(layer) for layer in layers)][0].is_mkldnn == (layout == "onednn")
+        assert [p.shape for p in parts] == [(5, 3, 48), (5, 3, 16), (5, 3, 16)]
+        for part, layer in zip(parts, layers, strict=True):
+            assert torch.allclose(part, layer(x), atol=1e-5, rtol=0)
+        lean.set_prepacked(False)  # the weights as they are: one product per layer, the same values
+        for part, layer in zip(lean._linears(layers, x), layers, strict=True):
+            assert torch.equal(part, layer(x))
+
+
 def test_models_it_does_not_run_get_none():
     assert lean_decoder(_model("qwen2", attn="eager")) is None  # eager softmax: transformers' path
     windowed = _model("mistral")
@@ -332,7 +357,7 @@ def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, othe
         return [t for t, _ in ours]
 
     before = same()
-    assert {w.is_mkldnn for w in lean.lean._prepacked.values()} == {layout == "onednn"}
+    assert {w.is_mkldnn for w, _ in lean.lean._prepacked.values()} == {layout == "onednn"}
     for engine in (lean, plain):  # a push from disk
         engine.update_weights(other_weights_dir)
     pushed = same()
