@@ -13,6 +13,8 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `sft-packed` | rollout bfd, TRL bfd (padding-free) | tokens/s | rollout >= 2 x TRL, and >= 2 x TRL padded |
 | `sft-mixed` | rollout bfd, TRL padded, on arithmetic + guess-number games (17-245 tokens, `--data mixed`) | tokens/s | rollout >= 2 x TRL padded |
 | `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
+| `rm` | rollout, TRL `RewardTrainer` (`rm_kto_throughput.py --algo rm`) | steps/s | (none set) |
+| `kto` | rollout, TRL `KTOTrainer` (`rm_kto_throughput.py --algo kto`) | steps/s | (none set) |
 | `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
 | `multiturn` | rollout episodes (kept KV caches), the same without them, a naive re-prefill loop, TRL `GRPOTrainer(tools=)` | episodes/s | >= 2 x naive (issue 10) |
@@ -53,9 +55,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-JOBS = ("startup", "sft", "sft-mixed", "dpo", "grpo", "generation", "multiturn")
-WEIGHTS = {"startup": 0.05, "sft": 0.27, "sft-mixed": 0.12, "dpo": 0.18, "grpo": 0.2, "generation": 0.1,
-           "multiturn": 0.08}
+JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "generation", "multiturn")
+WEIGHTS = {"startup": 0.05, "sft": 0.23, "sft-mixed": 0.1, "dpo": 0.15, "rm": 0.07, "kto": 0.07, "grpo": 0.18,
+           "generation": 0.09, "multiturn": 0.06}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
 RESULT_PREFIX = "RESULT "
@@ -64,6 +66,7 @@ RESULT_PREFIX = "RESULT "
 SFT_STEPS = (40, 120)
 SFT_MIXED_STEPS = (20, 60)
 DPO_STEPS = (40, 120)
+RM_KTO_STEPS = (40, 120)
 GRPO_STEPS = (40, 100)
 GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
 MULTITURN_EPISODES = (16, 32)
@@ -205,6 +208,26 @@ def job_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"dpo": Repeats(args, "dpo").run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
 
 
+def job_rm_kto(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import rm_kto_throughput as bench
+
+    algo = args.worker
+    steps = RM_KTO_STEPS[0 if args.quick else 1]
+    a = bench.parse_args(["--algo", algo, "--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1"])
+    model_dir, data_path = bench.prepare_inputs(work, algo)
+    runners = {"rollout": bench.run_rollout, "trl": bench.run_trl}
+
+    def side(fn: Any, name: str) -> Any:
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            with bench.quiet_stderr():
+                m = fn(work / f"{name}-{repeat}", model_dir, data_path, a)
+            return m.steps_per_s, {"final_loss": m.final_loss, "tokens_per_step": m.tokens / m.steps}
+        return call
+
+    ratios = {"rollout/trl": lambda f: f["rollout"] / f["trl"]}
+    return {algo: Repeats(args, algo).run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
+
+
 def job_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import grpo_step as grpo
 
@@ -305,8 +328,8 @@ def worker(args: argparse.Namespace) -> None:
 
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
-    job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "grpo": job_grpo,
-           "generation": job_generation, "multiturn": job_multiturn}[args.worker]
+    job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "rm": job_rm_kto,
+           "kto": job_rm_kto, "grpo": job_grpo, "generation": job_generation, "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -349,8 +372,8 @@ TARGETS = {
     ("generation", "engine/generate"): 1.5,
     ("multiturn", "rollout/naive"): 2.0,
 }
-UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "sft-mixed": "tok/s", "dpo": "steps/s", "grpo": "s/step", "generation": "tok/s",
-         "multiturn": "episodes/s"}
+UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "sft-mixed": "tok/s", "dpo": "steps/s", "rm": "steps/s",
+         "kto": "steps/s", "grpo": "s/step", "generation": "tok/s", "multiturn": "episodes/s"}
 
 
 def summarize(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,8 +10,10 @@ last bits between CPUs (the baseline here was written on a 2-core Intel Xeon VM 
 2026-11-27 19:45, after short RL rounds stopped multiplying by prepacked weight copies
 (`rl_common.plan_weight_copies`), which moved the grpo-tiny and grpo-tiny+lora+ref digests only;
 on that VM the commit before gave none of the 10 digests of the previous baseline, written on an
-AMD EPYC VM. On another machine, run the script on the commit before a change first and
-compare with that). The script makes the tiny model and the arithmetic data in a
+AMD EPYC VM; its kto-tiny entry was rewritten on 2026-11-28, an Intel Xeon VM where the commit
+before gave all 10 baseline digests, when KTO's reference began scoring the lines and their
+mismatched partners in one shared-prompt pass. On another machine, run the script on the commit
+before a change first and compare with that). The script makes the tiny model and the arithmetic data in a
 temporary folder, then runs each example config from `examples/` through the
 real CLI (`rollout train <kind>`, one subprocess each) with its paths rewritten
 into that folder (as `tests/integration/conftest.py:example_config` does),

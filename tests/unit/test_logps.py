@@ -169,3 +169,35 @@ def test_packed_batches_are_refused(model):
     packed = collate_packed([[Segment(0, 0, 3), Segment(1, 0, 2)]], samples, PAD)
     with pytest.raises(ValueError, match="packed"):
         sequence_logps(model, packed)
+
+
+@pytest.mark.parametrize("positions", ["given", "none"])
+def test_the_decoder_runs_lean_with_the_bits_of_the_model(model, positions, monkeypatch):
+    """`sequence_logps` runs the plain decoder through `lean_decoder.lean_hidden_states` (padded
+    rows; without position ids, 0.. as transformers takes them): log-probs and every gradient equal
+    those of `decoder(...)` bit for bit. A LoRA-wrapped model takes the decoder
+    (`test_peft_wrapped_model`)."""
+    import dataclasses
+
+    from rollout.models import lean_decoder
+
+    batch, _ = collate_pairs(PAIRS, PAD)
+    if positions == "none":
+        batch = dataclasses.replace(batch, position_ids=None)
+    assert batch.attention_mask.min() == 0
+    calls = []
+    real = lean_decoder.lean_hidden_states
+
+    def run(lean: bool):
+        monkeypatch.setattr(lean_decoder, "lean_hidden_states",
+                            (lambda *a: calls.append(1) or real(*a)) if lean else (lambda *a: None))
+        model.zero_grad(set_to_none=True)
+        logps, _ = sequence_logps(model, batch)
+        (logps * torch.linspace(-1, 1, logps.numel())).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lean, plain = run(True), run(False)
+    model.zero_grad(set_to_none=True)
+    assert calls == [1]
+    assert torch.equal(lean[0], plain[0])
+    assert all(torch.equal(lean[1][n], plain[1][n]) for n in plain[1])

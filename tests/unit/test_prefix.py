@@ -306,3 +306,40 @@ def test_empty_completions_score_nothing_in_either_layout(model, layout):
     with torch.no_grad():
         want = torch.log_softmax(model(input_ids=torch.tensor([[5, 17, 9, 7, 8]])).logits[0], -1)
     assert logps[1].tolist() == pytest.approx([float(want[2, 7]), float(want[3, 8])], abs=1e-5)
+
+
+def test_reward_scores_run_the_decoder_lean_with_the_bits_of_the_model(layout, monkeypatch):
+    """The RM's decoder runs through `lean_hidden_states` (full rows, and shared prompts in the
+    packed layout): scores and every gradient equal those of the transformers decoder bit for bit."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from rollout.algorithms import rm as rm_module
+    from rollout.data.tokenize import TokenizedPair
+    from rollout.models import lean_decoder
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, num_labels=1, pad_token_id=PAD)
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(config)
+    pairs = [TokenizedPair((5, 17, 9, 30, 4, 8), (5, 17, 9, 30, 77), 3, 3),
+             TokenizedPair((11, 50), (11, 51, 52, 53), 1, 1)]
+    batch = rm_module.collate_pair_batch(pairs, [0.0] * 2, PAD)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    calls = []
+    real = lean_decoder.lean_hidden_states
+
+    def run(shared, lean: bool):
+        stand_in = (lambda *a: calls.append(1) or real(*a)) if lean else (lambda *a: None)
+        monkeypatch.setattr(lean_decoder, "lean_hidden_states", stand_in)
+        monkeypatch.setattr(rm_module, "lean_hidden_states", stand_in)
+        rm.zero_grad(set_to_none=True)
+        scores = rm_module.score_sequences(rm, batch.tokens, shared)
+        (scores * weights).sum().backward()
+        return scores.detach(), {n: p.grad.clone() for n, p in rm.named_parameters()}
+
+    for shared in (None, batch.shared):
+        calls.clear()
+        lean, plain = run(shared, True), run(shared, False)
+        assert len(calls) == (0 if shared is not None and layout == "cache" else 1)
+        assert torch.equal(lean[0], plain[0])
+        assert all(torch.equal(lean[1][n], plain[1][n]) for n in plain[1])

@@ -36,6 +36,7 @@ from rollout.errors import AlgorithmError, DataError
 from rollout.losses.logps import sequence_logps
 from rollout.losses.preference import kto_kl_estimate, kto_loss
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
+from rollout.models.prefix import PrefixBatch, collate_prefix
 from rollout.progress import TrainProgress
 from rollout.run import (
     RunContext,
@@ -84,6 +85,30 @@ def mismatched_samples(samples: Sequence[Any], max_seq_len: int) -> list[Any]:
             ids, mask = prompt[: max_seq_len - 1] + completion[:1], (False,) * (max_seq_len - 1) + (True,)
         out.append(TokenizedSample(input_ids=ids, loss_mask=mask))
     return out
+
+
+def shared_kto_rows(matched: Sequence[Any], mismatched: Sequence[Any], pad_id: int, device: Any) -> PrefixBatch | None:
+    """Rows 0..n-1 the lines, n..2n-1 their mismatched partners (line i's prompt both times), each
+    prompt once: one reference pass scores both sets. A completion's tokens after its first loss
+    token that are not loss tokens (the chat template's closing newline) are kept out of its sum
+    by the batch's loss mask, as `sequence_logps` leaves them out. None where a prompt is empty."""
+    rows = [(*split_prompt(x), x.loss_mask[x.loss_mask.index(True):]) for x in (*matched, *mismatched)]
+    if any(not prompt for prompt, _, _ in rows):
+        return None
+    return collate_prefix([p for p, _, _ in rows], [c for _, c, _ in rows], pad_id,
+                          loss_masks=[m for _, _, m in rows]).to(device)
+
+
+def reference_logps(ref: Reference, tokens: Any, kl_tokens: Any, idx: Sequence[int], n_lines: int,
+                    shared: PrefixBatch | None) -> tuple[Any, Any]:
+    """The reference's log-prob sums of the lines `idx` and of their mismatched partners: from
+    `shared` in one pass (`prefix`: the same sums up to float rounding, each prompt's tokens run
+    once for both rows, ~40% fewer tokens on short answers), else from the full rows, two passes."""
+    seq_ids = [*idx, *(n_lines + i for i in idx)]
+    if shared is not None:
+        both = ref.logps(None, seq_ids, shared=shared)
+        return both[: len(idx)], both[len(idx) :]
+    return ref.logps(tokens, seq_ids[: len(idx)]), ref.logps(kl_tokens, seq_ids[len(idx) :])
 
 
 def make_kto_loss_fn(s: KTOConfig, normalizer: float) -> Any:
@@ -198,10 +223,12 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
                 tokens = move_to(collate_padded([samples[i] for i in idx], pad_id), device)
                 kl_tokens = move_to(collate_padded([mismatched[i] for i in idx], pad_id), device)
                 policy_kl = frozen_sequence_logps(backend, model, kl_tokens)
-                ref_kl = ref.logps(kl_tokens, [n_lines + i for i in idx]).to(device)
+                shared = None if ref.kind == "table" else shared_kto_rows(
+                    [samples[i] for i in idx], [mismatched[i] for i in idx], pad_id, device)
+                ref_matched, ref_kl = reference_logps(ref, tokens, kl_tokens, idx, n_lines, shared)
                 batches.append(KTOBatch(
                     tokens=tokens, labels=labels[idx].to(device),
-                    ref_logps=ref.logps(tokens, idx).to(device), kl=global_kl_estimate(policy_kl, ref_kl, ctx.dist),
+                    ref_logps=ref_matched.to(device), kl=global_kl_estimate(policy_kl, ref_kl.to(device), ctx.dist),
                 ))
             normalizer = ctx.dist.sum([sum(len(b.labels) for b in batches)])[0]  # every rank's lines
             loss_fn = make_kto_loss_fn(s, normalizer)

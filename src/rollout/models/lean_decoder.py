@@ -44,9 +44,11 @@ MAX_PACKED_PREFILL = 1 << 24
 """Most (query, key) pairs of a packed prefill (its bool mask: 16 MiB)."""
 
 
-def lean_decoder(model: Any, *, prepacked: bool = False) -> LeanDecoder | None:
+def lean_decoder(model: Any, *, prepacked: bool = False, head: bool = True) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
-    `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`)."""
+    `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`).
+    `head=False`: hidden states only (`lean_hidden_states`), so a model with another head than
+    `lm_head` (a sequence classifier's `score`) runs too."""
     from rollout.models.arch import sliding_window
 
     config = getattr(model, "config", None)
@@ -58,7 +60,7 @@ def lean_decoder(model: Any, *, prepacked: bool = False) -> LeanDecoder | None:
         return None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if inner is None or layers is None or not _is_linear(getattr(model, "lm_head", None)):
+    if inner is None or layers is None or (head and not _is_linear(getattr(model, "lm_head", None))):
         return None
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -86,12 +88,13 @@ def lean_hidden_states(
     the same operations. `attn_mask`: a packed batch's 4D bool mask [rows, 1, L, L], or a padded
     batch's [rows, L] (1 = a real token; causal attention over the real keys, a padding query
     sees itself too: its output differs from transformers' there, where no loss reads it).
-    `prefix`'s packed rows (training and frozen passes) and SFT's batches use it. None where it can't stand in for that call: a model
+    `prefix`'s packed rows (training and frozen passes), SFT's batches and `sequence_logps` use it;
+    `model` may be a sequence classifier too (the reward model's decoder). None where it can't stand in for that call: a model
     `lean_decoder` does not run, and any model whose forward does more than its math -- hooks on
     a module (forward, pre-forward or backward; also the global ones), a module whose `forward`
     was replaced (accelerate's offloading hooks), activation checkpointing, attention dropout in
     training mode."""
-    lean = lean_decoder(model)
+    lean = lean_decoder(model, head=False)
     if lean is None or not _runs_as_is(model):
         return None
     if attn_mask.dim() == 2:

@@ -147,10 +147,14 @@ def prefix_outputs(
     return _predictor_outputs(module, batch, field, config, causal_lm)[:, :-1]
 
 
-def prefix_last_hidden(decoder: Any, batch: PrefixBatch, config: PretrainedConfig) -> torch.Tensor:
+def prefix_last_hidden(
+    decoder: Any, batch: PrefixBatch, config: PretrainedConfig, *, model: Any = None
+) -> torch.Tensor:
     """[B, H]: the decoder's last hidden state at each row's last real token (its last completion
-    token; the prompt's last token for an empty completion) -- what a reward head scores."""
-    hidden = _predictor_outputs(decoder, batch, "last_hidden_state", config)
+    token; the prompt's last token for an empty completion) -- what a reward head scores. `model`:
+    the transformers model whose decoder `decoder` is (packed rows then run lean, as in
+    `prefix_outputs`)."""
+    hidden = _predictor_outputs(decoder, batch, "last_hidden_state", config, model)
     length = batch.completion_mask.sum(1)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), length]
 
@@ -408,11 +412,14 @@ def eval_mode(model: Any) -> Iterator[None]:
 
 def rows_logps(model: Any, tokens: Any, shared: PrefixBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logps` of a batch's rows (log-prob sums [B] float32, token counts [B] long): from
-    `shared` (each prompt run once) when given, else from the full rows `tokens`."""
+    `shared` (each prompt run once) when given, else from the full rows `tokens`. Over `shared`'s
+    target tokens (its `loss_mask` where it has one)."""
     if shared is None:
         return sequence_logps(model, tokens)
     logps, _ = prefix_logps(model, shared)
-    return logps.sum(1), shared.completion_mask.sum(1)
+    if shared.loss_mask is not None:
+        logps = logps.masked_fill(~shared.loss_mask, 0.0)
+    return logps.sum(1), shared.target_mask.sum(1)
 
 
 def collate_shared_pairs(pairs: Sequence[Any], pad_id: int) -> PrefixBatch | None:
