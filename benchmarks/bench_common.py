@@ -21,6 +21,23 @@ def no_activation_checkpointing(config_cls: type) -> dict[str, bool]:
     return {name: False for name in ("activation_checkpointing", "gradient_checkpointing") if name in names}
 
 
+def prepare_trl_process(*, omp_passive: bool) -> None:
+    """What a TRL benchmark script sets before its first torch import: OpenMP's wait policy (read
+    when torch loads OpenMP), offline hub, no tokenizer threads, no progress bars or library logs."""
+    import os
+
+    if omp_passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+
+
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Swallow stderr (progress bars/lines), but show it if the block fails."""

@@ -95,6 +95,7 @@ from bench_common import (
     MODEL_SIZES,
     add_precision_args,
     no_activation_checkpointing,
+    prepare_trl_process,
     quiet_stderr,
     torch_dtype,
     trl_precision,
@@ -647,16 +648,7 @@ def print_table(results: dict[str, list[Measurement]], args: argparse.Namespace)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.omp_passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when torch loads OpenMP: before any torch import
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
+    prepare_trl_process(omp_passive=args.omp_passive)
     print_header(args)
     if args.no_cudnn_attention:
         import torch

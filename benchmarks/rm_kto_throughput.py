@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_common import no_activation_checkpointing, quiet_stderr
+from bench_common import no_activation_checkpointing, prepare_trl_process, quiet_stderr
 
 LR = 5e-4
 BETA = 0.1
@@ -318,16 +318,7 @@ def print_header(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.omp_passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when torch loads OpenMP: before any torch import
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
+    prepare_trl_process(omp_passive=args.omp_passive)
     print_header(args)
     runners = {"rollout": run_rollout, "trl": run_trl}
     results: dict[str, list[Measurement]] = {lib: [] for lib in runners}

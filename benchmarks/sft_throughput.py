@@ -97,6 +97,7 @@ from bench_common import (
     add_precision_args,
     mfu,
     no_activation_checkpointing,
+    prepare_trl_process,
     quiet_stderr,
     torch_dtype,
     trl_precision,
@@ -493,18 +494,9 @@ def print_table(results: dict[tuple[str, str], list[Measurement]], args: argpars
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.omp_passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when torch loads OpenMP: before any torch import
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    import datasets
-    import transformers
-
+    prepare_trl_process(omp_passive=args.omp_passive)
     from rollout.models.tiny import count_saved_parameters
 
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
     runners = {"rollout": run_rollout, "trl": run_trl}
     results: dict[tuple[str, str], list[Measurement]] = {(lib, m): [] for lib in runners for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="sft-throughput-") as tmp:
