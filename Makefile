@@ -69,7 +69,7 @@ test: install
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
 
-# Every benchmark against its peer (TRL, transformers' generate, a bare PyTorch loop), interleaved,
+# Every benchmark against its peer (TRL, transformers' generate and serve, a bare PyTorch loop), interleaved,
 # at 1 and 2 threads; writes benchmarks/results/<date>-<host>.md and .json. ~15 min on 2 cores.
 # BENCH_ARGS= (empty) for the longer run; e.g. BENCH_ARGS="--quick --only sft,dpo --threads 1".
 BENCH_ARGS ?= --quick

@@ -205,8 +205,13 @@ def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen[str], 
 
 
 async def _client_load(
-    base_url: str, model: str, prompts: list[str], max_tokens: int, clients: int, per_client: int
+    base_url: str, model: str, prompts: list[str], max_tokens: int, clients: int, per_client: int,
+    *, ignore_eos: bool = True,
 ) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of `clients` concurrent clients sending `per_client`
+    /v1/completions requests each, back to back, after one warm-up request. `ignore_eos=False`
+    leaves the field out (a server that refuses it, `transformers serve`): the tokens counted are
+    the server's own `usage.completion_tokens` either way."""
     import httpx
 
     async def one_client(http: httpx.AsyncClient, c: int) -> int:
@@ -218,7 +223,7 @@ async def _client_load(
                 "max_tokens": max_tokens,
                 "temperature": 1.0,
                 "seed": c * 1000 + r,
-                "ignore_eos": True,
+                **({"ignore_eos": True} if ignore_eos else {}),
             }
             response = await http.post(f"{base_url}/completions", json=body)
             response.raise_for_status()
@@ -231,6 +236,41 @@ async def _client_load(
         t0 = time.perf_counter()
         tokens = await asyncio.gather(*(one_client(http, c) for c in range(clients)))
         return sum(tokens), time.perf_counter() - t0
+
+
+def start_transformers_server(model_dir: Path, threads: int, *, timeout_s: float = 180.0) -> tuple[subprocess.Popen[str], str]:
+    """`transformers serve MODEL --continuous-batching` (paged attention, its batching scheduler) on
+    a free local port, `threads` OpenMP threads; returns once /health answers."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = Path(sys.executable).parent / "transformers"
+    cmd = [str(cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--continuous-batching"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"transformers serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"transformers serve did not answer /health within {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def bench_server(
@@ -246,11 +286,7 @@ def bench_server(
             )
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 # --------------------------------------------------------------------------- main

@@ -17,6 +17,7 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `kto` | rollout, TRL `KTOTrainer` (`rm_kto_throughput.py --algo kto`) | steps/s | (none set) |
 | `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
+| `serving` | `rollout serve`, `transformers serve --continuous-batching` (48M model, 16 concurrent HTTP clients) | tokens/s | (none set) |
 | `multiturn` | rollout episodes (kept KV caches), the same without them, a naive re-prefill loop, TRL `GRPOTrainer(tools=)` | episodes/s | >= 2 x naive (issue 10) |
 | `startup` | `rollout --help`, `rollout validate` (fresh interpreters) | seconds | < 0.3 s |
 
@@ -55,9 +56,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "generation", "multiturn")
-WEIGHTS = {"startup": 0.05, "sft": 0.23, "sft-mixed": 0.1, "dpo": 0.15, "rm": 0.07, "kto": 0.07, "grpo": 0.18,
-           "generation": 0.09, "multiturn": 0.06}
+JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "generation", "serving", "multiturn")
+WEIGHTS = {"startup": 0.05, "sft": 0.22, "sft-mixed": 0.1, "dpo": 0.14, "rm": 0.06, "kto": 0.06, "grpo": 0.17,
+           "generation": 0.08, "serving": 0.06, "multiturn": 0.06}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
 RESULT_PREFIX = "RESULT "
@@ -69,6 +70,7 @@ DPO_STEPS = (40, 120)
 RM_KTO_STEPS = (40, 120)
 GRPO_STEPS = (40, 100)
 GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
+SERVE_CLIENTS, SERVE_REQUESTS = 16, (2, 4)  # concurrent clients; requests each (quick, full), GEN_TOKENS each
 MULTITURN_EPISODES = (16, 32)
 STARTUP_RUNS = (8, 20)
 
@@ -274,6 +276,43 @@ def job_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"generation": Repeats(args, "generation").run(sides, ratios)}
 
 
+def job_serving(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Both servers run for the whole job (idle while the other is timed); a repeat times each once."""
+    import asyncio
+
+    import generation as gen
+
+    threads = args.threads[0]
+    tokens = GEN_TOKENS[0 if args.quick else 1]
+    per_client = SERVE_REQUESTS[0 if args.quick else 1]
+    model_dir = gen.make_model(ROOT / "local" / "bench-generation", "mid")
+    prompts = gen.make_prompts(SERVE_CLIENTS * per_client)
+    ours, ours_url = gen.start_server(model_dir, threads)
+    try:
+        theirs, theirs_url = gen.start_transformers_server(model_dir, threads)
+    except BaseException:
+        gen.stop_server(ours)
+        raise
+    servers = {"rollout serve": (ours_url, model_dir.name, True),
+               "transformers serve": (theirs_url, str(model_dir), False)}
+
+    def side(name: str) -> Any:
+        url, model, ignore_eos = servers[name]
+
+        def call(repeat: int) -> tuple[float, dict[str, float]]:
+            n, seconds = asyncio.run(gen._client_load(url, model, prompts, tokens, SERVE_CLIENTS, per_client,
+                                                      ignore_eos=ignore_eos))
+            return n / seconds, {"tokens": n}
+        return call
+
+    try:
+        ratios = {"rollout/transformers": lambda f: f["rollout serve"] / f["transformers serve"]}
+        return {"serving": Repeats(args, "serving").run({n: side(n) for n in servers}, ratios)}
+    finally:
+        gen.stop_server(ours)
+        gen.stop_server(theirs)
+
+
 def job_multiturn(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import multiturn as mt
     import torch
@@ -329,7 +368,8 @@ def worker(args: argparse.Namespace) -> None:
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
     job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "rm": job_rm_kto,
-           "kto": job_rm_kto, "grpo": job_grpo, "generation": job_generation, "multiturn": job_multiturn}[args.worker]
+           "kto": job_rm_kto, "grpo": job_grpo, "generation": job_generation, "serving": job_serving,
+           "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -373,7 +413,7 @@ TARGETS = {
     ("multiturn", "rollout/naive"): 2.0,
 }
 UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "sft-mixed": "tok/s", "dpo": "steps/s", "rm": "steps/s",
-         "kto": "steps/s", "grpo": "s/step", "generation": "tok/s", "multiturn": "episodes/s"}
+         "kto": "steps/s", "grpo": "s/step", "generation": "tok/s", "serving": "tok/s", "multiturn": "episodes/s"}
 
 
 def summarize(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
