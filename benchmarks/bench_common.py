@@ -9,6 +9,7 @@ import dataclasses
 import io
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +37,37 @@ def prepare_trl_process(*, omp_passive: bool) -> None:
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutWindow:
+    """A rollout training run's timed window, read back from its embedded store."""
+
+    steps: int  # optimizer steps inside the window (warm-up steps left out)
+    seconds: float  # end of the last step - end of the last warm-up step (`train_step` events)
+    tokens: int  # `train/tokens_seen` over the window
+    final_loss: float  # mean `train/loss` of the last `loss_window` steps
+
+
+def rollout_window(db: Path, run_id: str, *, warmup_steps: int, steps: int, loss_window: int) -> RolloutWindow:
+    """The window of run `run_id` in the embedded store at `db`; asserts it ran all `steps`."""
+    import statistics
+
+    from rollout.store import open_store
+
+    store = open_store("embedded", path=db)
+    try:
+        step_end = {e.fields["step"]: e.time for e in store.read_events(run_id) if e.name == "train_step"}
+        seen = {m.step: m.value for m in store.read_metrics(run_id, name="train/tokens_seen")}
+        losses = {m.step: m.value for m in store.read_metrics(run_id, name="train/loss")}
+    finally:
+        store.close()
+    first, last = warmup_steps, max(step_end, default=0)
+    assert last == steps, f"rollout stopped after {last} of {steps} steps"
+    return RolloutWindow(
+        steps=last - first, seconds=step_end[last] - step_end[first], tokens=int(seen[last] - seen[first]),
+        final_loss=statistics.fmean(losses[s] for s in range(last - loss_window + 1, last + 1)),
+    )
 
 
 @contextlib.contextmanager

@@ -49,8 +49,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from bench_common import no_activation_checkpointing, prepare_trl_process, quiet_stderr
+from bench_common import no_activation_checkpointing, prepare_trl_process, quiet_stderr, rollout_window
 
 LR = 5e-4
 BETA = 0.1
@@ -107,93 +108,42 @@ def prepare_inputs(work: Path, algo: str) -> tuple[Path, Path]:
 
 # --------------------------------------------------------------------------- rollout
 
-ROLLOUT_TOML = """\
-schema_version = 1
-seed = {seed}
-
-[storage]
-backend = "embedded"
-[storage.embedded]
-path = "{work}/rollout.db"
-[storage.objects]
-backend = "fs"
-path = "{work}/object-store"
-
-[algorithm]
-kind = "{algo}"
-[algorithm.{algo}]
-minibatch_size = {batch_size}
-gradient_accumulation = 1
-max_grad_norm = 1.0
-{algo_settings}
-[algorithm.{algo}.base_model]
-uri = "{model_dir}"
-dtype = "float32"
-[algorithm.{algo}.optimizer]
-kind = "adamw"
-lr = {lr}
-[algorithm.{algo}.scheduler]
-kind = "constant"
-warmup_steps = 0
-[algorithm.{algo}.budget]
-max_steps = {steps}
-[algorithm.{algo}.dataset]
-kind = "jsonl_path"
-path = "{data_path}"
-[algorithm.{algo}.packing]
-kind = "off"
-max_seq_len = {max_seq_len}
-[algorithm.{algo}.snapshot]
-every_steps = 1000000
-keep_last = 1
-{reference}
-[backend]
-kind = "torch"
-device = "cpu"
-num_threads = {threads}
-
-[distributed]
-kind = "local"
-"""
-
-SETTINGS = {
-    "rm": ('head = "bradley_terry"\n', ""),
-    "kto": (f"beta = {BETA}\ndesirable_weight = 1.0\nundesirable_weight = 1.0\n",
-            "[algorithm.kto.reference]\nprecompute = false\n"),
-}
+def rollout_config(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The run config (what a TOML file would hold): the settings the module docstring lists."""
+    algo: dict[str, Any] = {
+        "minibatch_size": args.batch_size, "gradient_accumulation": 1, "max_grad_norm": 1.0,
+        "base_model": {"uri": str(model_dir), "dtype": "float32"},
+        "optimizer": {"kind": "adamw", "lr": LR}, "scheduler": {"kind": "constant", "warmup_steps": 0},
+        "budget": {"max_steps": args.steps}, "dataset": {"kind": "jsonl_path", "path": str(data_path)},
+        "packing": {"kind": "off", "max_seq_len": args.max_seq_len},
+        "snapshot": {"every_steps": 1_000_000, "keep_last": 1},
+    }
+    if args.algo == "rm":
+        algo["head"] = "bradley_terry"
+    else:
+        algo |= {"beta": BETA, "desirable_weight": 1.0, "undesirable_weight": 1.0,
+                 "reference": {"precompute": False}}
+    return {
+        "schema_version": 1, "seed": SEED,
+        "storage": {"backend": "embedded", "embedded": {"path": str(work / "rollout.db")},
+                    "objects": {"backend": "fs", "path": str(work / "object-store")}},
+        "algorithm": {"kind": args.algo, args.algo: algo},
+        "backend": {"kind": "torch", "device": "cpu", "num_threads": args.threads},
+        "distributed": {"kind": "local"},
+    }
 
 
 def run_rollout(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespace) -> Measurement:
     from rollout.algorithms.kto import train_kto
     from rollout.algorithms.rm import train_rm
-    from rollout.config import load_config
-    from rollout.store import open_store
+    from rollout.config import RunConfig
 
     work.mkdir(parents=True)
-    config_path = work / f"{args.algo}.toml"
-    settings, reference = SETTINGS[args.algo]
-    config_path.write_text(ROLLOUT_TOML.format(
-        seed=SEED, work=work, algo=args.algo, batch_size=args.batch_size, algo_settings=settings,
-        model_dir=model_dir, lr=LR, steps=args.steps, data_path=data_path, max_seq_len=args.max_seq_len,
-        reference=reference, threads=args.threads,
-    ))
-    result = (train_rm if args.algo == "rm" else train_kto)(load_config(config_path))
-    store = open_store("embedded", path=work / "rollout.db")
-    try:
-        events = store.read_events(result.run_id)
-        step_end = {e.fields["step"]: e.time for e in events if e.name == "train_step"}
-        seen = {m.step: m.value for m in store.read_metrics(result.run_id, name="train/tokens_seen")}
-        losses = {m.step: m.value for m in store.read_metrics(result.run_id, name="train/loss")}
-    finally:
-        store.close()
-    first, last = args.warmup_steps, result.steps
-    assert last == args.steps, f"rollout stopped after {last} of {args.steps} steps"
-    return Measurement(
-        steps=last - first,
-        seconds=step_end[last] - step_end[first],
-        tokens=int(seen[last] - seen[first]),
-        final_loss=statistics.fmean(losses[s] for s in range(last - LOSS_WINDOW + 1, last + 1)),
-    )
+    cfg = RunConfig.model_validate(rollout_config(work, model_dir, data_path, args), context={"base_dir": work})
+    result = (train_rm if args.algo == "rm" else train_kto)(cfg)
+    w = rollout_window(work / "rollout.db", result.run_id, warmup_steps=args.warmup_steps, steps=args.steps,
+                       loss_window=LOSS_WINDOW)
+    return Measurement(steps=w.steps, seconds=w.seconds, tokens=w.tokens, final_loss=w.final_loss)
 
 
 # --------------------------------------------------------------------------- TRL

@@ -99,6 +99,7 @@ from bench_common import (
     no_activation_checkpointing,
     prepare_trl_process,
     quiet_stderr,
+    rollout_window,
     torch_dtype,
     trl_precision,
 )
@@ -254,7 +255,6 @@ def run_rollout(
 ) -> Measurement:
     from rollout.algorithms.sft import train_sft
     from rollout.config import load_config
-    from rollout.store import open_store
 
     work.mkdir(parents=True)
     config_path = work / "sft.toml"
@@ -276,22 +276,9 @@ def run_rollout(
         )
     )
     result = train_sft(load_config(config_path))
-    store = open_store("embedded", path=work / "rollout.db")
-    try:
-        step_end = {
-            e.fields["step"]: e.time for e in store.read_events(result.run_id) if e.name == "train_step"
-        }
-        seen = {m.step: m.value for m in store.read_metrics(result.run_id, name="train/tokens_seen")}
-        losses = {m.step: m.value for m in store.read_metrics(result.run_id, name="train/loss")}
-    finally:
-        store.close()
-    first, last = args.warmup_steps, result.steps
-    assert last == args.steps, f"rollout stopped after {last} of {args.steps} steps"
-    return Measurement(
-        tokens=int(seen[last] - seen[first]),
-        seconds=step_end[last] - step_end[first],
-        final_loss=statistics.fmean(losses[s] for s in range(last - LOSS_WINDOW + 1, last + 1)),
-    )
+    w = rollout_window(work / "rollout.db", result.run_id, warmup_steps=args.warmup_steps, steps=args.steps,
+                       loss_window=LOSS_WINDOW)
+    return Measurement(tokens=w.tokens, seconds=w.seconds, final_loss=w.final_loss)
 
 
 # --------------------------------------------------------------------------- TRL
