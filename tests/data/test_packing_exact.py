@@ -151,6 +151,7 @@ def test_sft_loss_runs_the_decoder_lean_with_the_bits_of_the_model(model, sample
     every parameter's gradient equal those of the transformers decoder bit for bit; LoRA-wrapped,
     hooked or eager models take the decoder (`test_lean_decoder.py`)."""
     from rollout.algorithms import sft
+    from rollout.models import lean_decoder
 
     pad = chatml_tokenizer.pad_token_id
     if layout == "packed":
@@ -161,11 +162,11 @@ def test_sft_loss_runs_the_decoder_lean_with_the_bits_of_the_model(model, sample
         assert bool(batch.attention_mask.bool().all()) == (layout == "unpadded")
     model.set_attn_implementation("sdpa")
     calls = []
-    real = sft.lean_hidden_states
+    real = lean_decoder.lean_hidden_states
 
     def run(lean: bool):
-        monkeypatch.setattr(sft, "lean_hidden_states", (lambda *a: calls.append(a) or real(*a)) if lean else
-                            (lambda *a: None))
+        monkeypatch.setattr(lean_decoder, "lean_hidden_states", (lambda *a: calls.append(a) or real(*a)) if lean
+                            else (lambda *a: None))
         model.zero_grad(set_to_none=True)
         with torch.enable_grad():
             loss, metrics = sft.make_sft_loss_fn(float(batch.num_loss_tokens))(model, batch)

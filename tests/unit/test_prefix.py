@@ -331,7 +331,6 @@ def test_reward_scores_run_the_decoder_lean_with_the_bits_of_the_model(layout, m
     def run(shared, lean: bool):
         stand_in = (lambda *a: calls.append(1) or real(*a)) if lean else (lambda *a: None)
         monkeypatch.setattr(lean_decoder, "lean_hidden_states", stand_in)
-        monkeypatch.setattr(rm_module, "lean_hidden_states", stand_in)
         rm.zero_grad(set_to_none=True)
         scores = rm_module.score_sequences(rm, batch.tokens, shared)
         (scores * weights).sum().backward()

@@ -34,7 +34,7 @@ from rollout.data.tokenize import tokenize_aligned, tokenize_pairs
 from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.rm import bradley_terry_loss
-from rollout.models.lean_decoder import lean_hidden_states
+from rollout.models.lean_decoder import decoder_hidden_states
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.models.prefix import PrefixBatch, collate_shared_pairs, prefix_last_hidden
 from rollout.progress import TrainProgress
@@ -73,10 +73,7 @@ def score_sequences(model: Any, tokens: Any, shared: PrefixBatch | None = None) 
     if shared is not None:
         pooled = prefix_last_hidden(base.base_model, shared, base.config, model=base)
     else:
-        ids, mask = tokens.input_ids, tokens.attention_mask
-        hidden = lean_hidden_states(base, ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), mask)
-        if hidden is None:  # LoRA layers, hooks, not sdpa: the decoder itself (the same bits)
-            hidden = base.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = decoder_hidden_states(base, base.base_model, tokens.input_ids, tokens.attention_mask)
         last = tokens.attention_mask.sum(dim=1) - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return base.score(pooled).squeeze(-1).float()

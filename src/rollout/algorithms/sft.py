@@ -17,8 +17,6 @@ import asyncio
 import time
 from typing import Any
 
-import torch
-
 from rollout.algorithms.config import SFTConfig
 from rollout.algorithms.registry import TrainResult
 from rollout.backends.torch_backend import pick_device
@@ -31,7 +29,7 @@ from rollout.data.tokenize import tokenize_sft
 from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.sft import next_token_targets, sft_loss
-from rollout.models.lean_decoder import lean_hidden_states
+from rollout.models.lean_decoder import decoder_hidden_states
 from rollout.models.load import ModelSource, hf_model, load_tokenizer, load_trainable
 from rollout.progress import TrainProgress
 from rollout.run import (
@@ -60,13 +58,7 @@ def make_sft_loss_fn(normalizer: float) -> Any:
         base = hf_model(model)
         valid, targets = next_token_targets(batch.input_ids, batch.loss_mask, batch.position_ids)
         mask = attention_mask_for(batch, attn_implementation=base.config._attn_implementation, dtype=base.dtype)
-        hidden = None
-        if mask is not None and mask.dtype in (torch.bool, torch.long):  # sdpa's masks (eager: additive)
-            hidden = lean_hidden_states(base, batch.input_ids, batch.position_ids, mask)
-        if hidden is None:
-            hidden = base.get_decoder()(
-                input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids, use_cache=False
-            ).last_hidden_state
+        hidden = decoder_hidden_states(base, base.get_decoder(), batch.input_ids, mask, batch.position_ids)
         logits = base.get_output_embeddings()(hidden[:, :-1][valid])
         return sft_loss(logits, targets[valid], normalizer=normalizer)
 

@@ -110,21 +110,17 @@ def sequence_logps(
     """
     if tokens.is_packed:
         raise ValueError("sequence_logps scores one sequence per row; packed batches are not supported")
-    inputs = {
-        "input_ids": tokens.input_ids,
-        "attention_mask": tokens.attention_mask,
-        "position_ids": tokens.position_ids,
-        "use_cache": False,
-    }
     parts = decoder_and_head(model) if gather_lm_head else None
     if parts is None:
-        logits = model(**inputs).logits
+        logits = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                       position_ids=tokens.position_ids, use_cache=False).logits
         return completion_logps(logits, tokens.input_ids, tokens.loss_mask)
 
+    from rollout.models.lean_decoder import decoder_hidden_states
+
     decoder, head = parts
-    hidden = _lean_hidden(model, decoder, tokens)
-    if hidden is None:
-        hidden = decoder(**inputs).last_hidden_state  # [B, T, H]
+    hidden = decoder_hidden_states(unwrap_peft(model), decoder, tokens.input_ids, tokens.attention_mask,
+                                   tokens.position_ids)  # [B, T, H]
     valid = tokens.loss_mask[:, 1:].bool()
     rows = valid.nonzero(as_tuple=True)[0]
     logits = head(hidden[:, :-1][valid])  # [N, V]: only the positions that predict a target
@@ -152,21 +148,6 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 def _sum_rows(per_token: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     """Sum `per_token` [N] into `num_rows` buckets given each token's row index [N]."""
     return per_token.new_zeros(num_rows).index_add(0, rows, per_token)
-
-
-def _lean_hidden(model: nn.Module, decoder: nn.Module, tokens: TokenBatch) -> Tensor | None:
-    """The decoder's hidden states through `lean_decoder.lean_hidden_states` (the same bits, less
-    per-call work), or None where it cannot stand in (LoRA layers, hooks, not sdpa, ...)."""
-    base = unwrap_peft(model)
-    if getattr(base, "model", None) is not decoder or tokens.attention_mask is None:
-        return None
-    from rollout.models.lean_decoder import lean_hidden_states
-
-    positions = tokens.position_ids
-    if positions is None:  # what transformers takes then: 0.. along every row
-        length = tokens.input_ids.shape[1]
-        positions = torch.arange(length, device=tokens.input_ids.device).expand_as(tokens.input_ids)
-    return lean_hidden_states(base, tokens.input_ids, positions, tokens.attention_mask)
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

@@ -105,6 +105,24 @@ def lean_hidden_states(
     return _rms_norm(model.model.norm, x)
 
 
+def decoder_hidden_states(
+    model: Any, decoder: Any, ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decoder(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+    use_cache=False).last_hidden_state`, run through `lean_hidden_states` (the same bits) where it
+    stands in for that call: `decoder` is `model.model` and the mask is one sdpa takes (a padded
+    batch's [rows, L], a packed batch's 4D bool); elsewhere (LoRA layers, hooks, eager or flash
+    attention, no mask) the decoder itself. No `positions`: 0.. along every row, as transformers."""
+    if attention_mask is not None and getattr(model, "model", None) is decoder:
+        at = positions if positions is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        hidden = lean_hidden_states(model, ids, at, attention_mask)
+        if hidden is not None:
+            return hidden
+    return decoder(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=False).last_hidden_state
+
+
 def _as_given(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
