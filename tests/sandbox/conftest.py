@@ -33,8 +33,20 @@ def sandbox(sandbox_tmp: str) -> LocalSandbox:
 
 
 @pytest.fixture(autouse=True)
-def _no_stray_processes() -> Iterator[None]:
+def _no_stray_processes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No process this test started survives it: neither a descendant of this process nor one
+    running as a sandbox uid this process claimed during the test (recorded by wrapping
+    `_claim_uid`; other xdist workers' sandbox programs run under other uids of the range)."""
+    claimed: set[int] = set()
+    claim = LocalSandbox._claim_uid
+
+    def recording_claim(self: LocalSandbox) -> int:
+        uid = claim(self)
+        claimed.add(uid)
+        return uid
+
+    monkeypatch.setattr(LocalSandbox, "_claim_uid", recording_claim)
     before = processes()
     yield
-    strays = wait_no_strays(before)
+    strays = wait_no_strays(before, claimed)
     assert not strays, f"processes left behind: {strays}"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from rollout.sandbox import ExecResult, LocalSandbox, SandboxLimits
-from rollout.sandbox.layers import SANDBOX_UID_RANGE
 
 # Short limits keep the suite fast on 2 shared cores; the bounds the hostile tests assert are
 # these plus SLACK_S.
@@ -31,8 +30,13 @@ def processes() -> dict[int, tuple[int, int]]:
     return found
 
 
-def stray_processes(before: Mapping[int, tuple[int, int]]) -> list[str]:
-    """Processes new since `before` that run as a sandbox uid or descend from this test process."""
+def stray_processes(before: Mapping[int, tuple[int, int]], uids: Collection[int]) -> list[str]:
+    """Processes new since `before` that run as one of `uids` or descend from this test process.
+
+    `uids` are the sandbox uids this process handed out (see conftest.py), not the whole
+    SANDBOX_UID_RANGE: under pytest-xdist another worker's sandbox programs (a fork bomb, a
+    code-execution env test) run at the same time as ours, under uids of that range.
+    """
     me = os.getpid()
     now = processes()
     strays = []
@@ -43,14 +47,14 @@ def stray_processes(before: Mapping[int, tuple[int, int]]) -> list[str]:
         while cursor > 1 and cursor not in ancestors:
             ancestors.append(cursor)
             cursor = now.get(cursor, (0, 0))[0]
-        if uid in SANDBOX_UID_RANGE or me in ancestors:
+        if uid in uids or me in ancestors:
             strays.append(f"pid {pid} uid {uid} ppid {ppid}")
     return strays
 
 
-def wait_no_strays(before: Mapping[int, tuple[int, int]], grace_s: float = 0.0) -> list[str]:
+def wait_no_strays(before: Mapping[int, tuple[int, int]], uids: Collection[int], grace_s: float = 0.0) -> list[str]:
     deadline = time.monotonic() + grace_s
-    while (strays := stray_processes(before)) and time.monotonic() < deadline:
+    while (strays := stray_processes(before, uids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return strays
 
