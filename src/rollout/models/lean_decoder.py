@@ -97,8 +97,8 @@ def lean_hidden_states(
     lean = lean_decoder(model, head=False)
     if lean is None or not _runs_as_is(model):
         return None
-    if attn_mask.dim() == 2:
-        attn_mask = _attention_mask(attn_mask, attn_mask.shape[1])
+    if attn_mask.dim() == 2:  # no padding at all: no mask, as transformers' sdpa path (`_layer`)
+        attn_mask = None if bool(attn_mask.all()) else _attention_mask(attn_mask, attn_mask.shape[1])
     x, cos, sin = lean._embed(ids, positions)
     for layer in model.model.layers:
         x = lean._layer(layer, _as_given, x, cos, sin, attn_mask)
@@ -270,9 +270,12 @@ class LeanDecoder:
 
     def _layer(
         self, layer: Any, store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor,
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One decoder layer; `store(k, v)` keeps the new keys/values and returns those to attend to."""
+        """One decoder layer; `store(k, v)` keeps the new keys/values and returns those to attend to.
+        `attn_mask` None: an unpadded batch without a cache, which transformers runs unmasked
+        (`is_causal`, `enable_gqa`): the same call, since the masked one with repeated keys/values
+        gives the same forward but other gradient bits (the key/value projections' sums)."""
         rows, t, _ = x.shape
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(layer.input_layernorm, x)
@@ -284,12 +287,16 @@ class LeanDecoder:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         keys, values = store(k, v)
-        if self.groups > 1:
-            if t == 1:  # the query heads of one kv head as a sequence of queries: no copy of the cache
-                q = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
-            else:
-                keys, values = _repeat_kv(keys, self.groups), _repeat_kv(values, self.groups)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=attn.scaling)
+        if attn_mask is None:  # an unpadded batch, no cache: causal, grouped heads in the kernel, as transformers
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, scale=attn.scaling,
+                                                 enable_gqa=self.groups > 1)
+        else:
+            if self.groups > 1:
+                if t == 1:  # the query heads of one kv head as a sequence of queries: no copy of the cache
+                    q = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
+                else:
+                    keys, values = _repeat_kv(keys, self.groups), _repeat_kv(values, self.groups)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=attn.scaling)
         out = out.reshape(rows, self.heads, t, self.head_dim).transpose(1, 2).reshape(rows, t, -1)
         x = x + self._linear(attn.o_proj, out)
         h = _rms_norm(layer.post_attention_layernorm, x)
