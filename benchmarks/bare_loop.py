@@ -1,13 +1,13 @@
 """The "bare PyTorch" yardstick: the same SFT / DPO batches through a minimal training loop.
 
-    .venv/bin/python benchmarks/bare_loop.py sft --threads 1 --steps 60     # tok/s, padded SFT
+    .venv/bin/python benchmarks/bare_loop.py sft --threads 1 --steps 60     # tok/s, padded and packed SFT
     .venv/bin/python benchmarks/bare_loop.py dpo --threads 1 --steps 60     # steps/s, DPO
     make bench                                                               # runs it beside rollout and TRL
 
 No framework: the tiny Qwen2 loaded with transformers (float32, sdpa), batches made
-before the loop with rollout's own tokenizer and collator (`tokenize_sft` +
-`collate_padded`, `tokenize_pairs` + `collate_pairs`: the same rows, padding and loss
-masks as rollout trains on), then per step: forward, loss, backward,
+before the loop with rollout's own tokenizer, planner and collator (`tokenize_sft` +
+`collate_padded`, or packed: `MicroBatchPlan` bfd + `collate_packed`; `tokenize_pairs` +
+`collate_pairs`: the same rows, padding and loss masks as rollout trains on), then per step: forward, loss, backward,
 `clip_grad_norm_(1.0)`, `torch.optim.AdamW(fused=True)`, `zero_grad`. Like rollout and
 TRL it projects only the loss positions through the LM head. Nothing is recorded or
 logged inside the loop. It is the floor a framework's step could reach on this machine
@@ -41,24 +41,34 @@ DPO_BETA = 0.1
 def run_bare_sft(
     work: Path, model_dir: Path, data_path: Path, args: argparse.Namespace, *, packed: bool
 ) -> sft_throughput.Measurement:
-    """Padded SFT (packed is not built here: `packed` must be False)."""
+    """Padded SFT, or packed: rollout's bfd rows (`MicroBatchPlan`, the same seed, so the same
+    rows per step as rollout trains on) collated by `collate_packed` and passed to the model as
+    transformers takes them (the 4D block-diagonal bool mask and restarting `position_ids`)."""
     import torch
     import torch.nn.functional as F
 
-    from rollout.data.collate import collate_padded
+    from rollout.data.collate import collate_packed, collate_padded
     from rollout.data.jsonl import read_rows
+    from rollout.data.loader import DataCursor, MicroBatchPlan, iterate_micro_batches
     from rollout.data.tokenize import tokenize_sft
 
-    assert not packed, "the bare loop runs padded batches only"
     tok, model = _load(model_dir, args.threads)
     rows, _ = read_rows(data_path, "sft")
     samples, _ = tokenize_sft(rows, tok, loss_on=args.loss_on, max_seq_len=args.max_seq_len)
-    batches = [collate_padded(chunk, tok.pad_token_id) for chunk in _chunks(samples, args)]
+    if packed:
+        plan = MicroBatchPlan([len(s.input_ids) for s in samples], micro_batch_size=args.batch_size,
+                              packing="bfd", max_seq_len=args.max_seq_len, seed=sft_throughput.SEED)
+        stream = iterate_micro_batches(plan, DataCursor())
+        batches = [collate_packed(next(stream)[1], samples, tok.pad_token_id) for _ in range(args.steps)]
+    else:
+        batches = [collate_padded(chunk, tok.pad_token_id) for chunk in _chunks(samples, args)]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
 
     def step_loss(batch: Any) -> Any:
         valid = batch.loss_mask[:, 1:]
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        positions = batch.position_ids if packed else None
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                         use_cache=False)
         logits = head(hidden.last_hidden_state[:, :-1][valid])
         return F.cross_entropy(logits, batch.input_ids[:, 1:][valid])
 
@@ -162,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if kind == "sft":
             model_dir, data_path = sft_throughput.prepare_inputs(work)
-            m = run_bare_sft(work, model_dir, data_path, args, packed=False)
-            print(f"bare SFT padded: {m.tokens_per_s:,.0f} tok/s, final loss {m.final_loss:.3f}")
+            for mode in args.modes:
+                m = run_bare_sft(work, model_dir, data_path, args, packed=mode == "packed")
+                print(f"bare SFT {mode}: {m.tokens_per_s:,.0f} tok/s, final loss {m.final_loss:.3f}")
         else:
             model_dir, data_path = dpo_throughput.prepare_inputs(work, args.model_dir)
             m = run_bare_dpo(work, model_dir, data_path, args)

@@ -41,7 +41,7 @@ Held equal (the header says it again):
   `save_strategy="no"`, no progress bar; rollout without mid-run snapshots (its
   final snapshot is written after the last step) and without export. rollout
   still records its per-step metrics and events (that is part of its step).
-  Each library keeps its own AdamW kernel (rollout: torch `foreach`; TRL: its
+  Both run torch's fused AdamW kernel (rollout: `fused=True`, `make_optimizer`; TRL: its
   default `optim="adamw_torch_fused"`).
 
 Timed: training steps only. Model loading and tokenization come before, and the

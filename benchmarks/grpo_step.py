@@ -56,7 +56,7 @@ and keeps the engine's per-token log-probs for truncated importance sampling
 (`tis_cap` 2.0, a no-op on-policy); TRL generates with `model.generate` on the
 policy itself. rollout records per-step metrics and events in its store; TRL
 keeps its metrics in memory (`logging_steps` past the end, `report_to=[]`).
-Each library keeps its own AdamW kernel (rollout: torch `foreach`; TRL: its
+Both run torch's fused AdamW kernel (rollout: `fused=True`, `make_optimizer`; TRL: its
 default `optim="adamw_torch_fused"`). With `off_policy_steps = 1` rollout
 generates in a second thread while the main thread trains, so it can use two
 cores even with `--threads 1` -- when a second core is free: on a machine that
