@@ -1,6 +1,6 @@
 """`make bench`: every benchmark against its peer, interleaved, at 1 and 2 threads, one table.
 
-    .venv/bin/python benchmarks/run_all.py --quick                 # ~15 min on 2 cores: short runs, 3-4 repeats
+    .venv/bin/python benchmarks/run_all.py --quick                 # ~15-20 min on 2 cores: short runs, 3-4 repeats
     .venv/bin/python benchmarks/run_all.py                         # longer runs, 3-7 repeats (~45 min)
     .venv/bin/python benchmarks/run_all.py --quick --only sft,dpo --threads 1   # a subset
     make bench                                                     # installs the [bench] extra, runs --quick
@@ -15,7 +15,8 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
 | `rm` | rollout, TRL `RewardTrainer` (`rm_kto_throughput.py --algo rm`) | steps/s | (none set) |
 | `kto` | rollout, TRL `KTOTrainer` (`rm_kto_throughput.py --algo kto`) | steps/s | (none set) |
-| `grpo` | rollout (on-policy), TRL `GRPOTrainer` | s/step | TRL / rollout >= 2 |
+| `grpo` | rollout (on-policy), TRL `GRPOTrainer` (2 prompts x 8, <= 8 tokens) | s/step | TRL / rollout >= 2 |
+| `grpo-learn` | the same at the demo's batch (16 prompts x 8, <= 6 tokens), where the policy learns | s/step, reward | TRL / rollout >= 2, and rollout's last-steps reward >= TRL's |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
 | `serving` | `rollout serve`, `transformers serve --continuous-batching` (48M model, 16 concurrent HTTP clients) | tokens/s | (none set) |
 | `multiturn` | rollout episodes (kept KV caches), the same without them, a naive re-prefill loop, TRL `GRPOTrainer(tools=)` | episodes/s | >= 2 x naive (issue 10) |
@@ -56,9 +57,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "generation", "serving", "multiturn")
-WEIGHTS = {"startup": 0.05, "sft": 0.22, "sft-mixed": 0.1, "dpo": 0.14, "rm": 0.06, "kto": 0.06, "grpo": 0.17,
-           "generation": 0.08, "serving": 0.06, "multiturn": 0.06}
+JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "grpo-learn", "generation", "serving", "multiturn")
+WEIGHTS = {"startup": 0.05, "sft": 0.2, "sft-mixed": 0.08, "dpo": 0.12, "rm": 0.05, "kto": 0.05, "grpo": 0.14,
+           "grpo-learn": 0.13, "generation": 0.07, "serving": 0.05, "multiturn": 0.06}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
 RESULT_PREFIX = "RESULT "
@@ -69,6 +70,9 @@ SFT_MIXED_STEPS = (20, 60)
 DPO_STEPS = (40, 120)
 RM_KTO_STEPS = (40, 120)
 GRPO_STEPS = (40, 100)
+GRPO_LEARN_STEPS = (60, 120)
+GRPO_LEARN = ("--prompts", "16", "--generations", "8", "--max-tokens", "6")  # examples/grpo-tiny.toml's batch
+REWARD_WINDOW = 20
 GEN_PROMPTS, GEN_TOKENS = (16, 16), (16, 32)
 SERVE_CLIENTS, SERVE_REQUESTS = 16, (2, 4)  # concurrent clients; requests each (quick, full), GEN_TOKENS each
 MULTITURN_EPISODES = (16, 32)
@@ -231,12 +235,16 @@ def job_rm_kto(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def job_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The issue's step (2 prompts x 8, <= 8 tokens, 40/100 steps) or, as `grpo-learn`, the demo's
+    batch (16 prompts x 8, <= 6 tokens, 60/120 steps), where the policy learns within the run: the
+    sampled reward of the last `REWARD_WINDOW` steps is compared too (`render_markdown`)."""
     import grpo_step as grpo
 
-    steps = GRPO_STEPS[0 if args.quick else 1]
-    window = min(20, steps // 2)
+    learn = args.worker == "grpo-learn"
+    steps = (GRPO_LEARN_STEPS if learn else GRPO_STEPS)[0 if args.quick else 1]
+    window = min(REWARD_WINDOW, steps // 2)
     a = grpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1",
-                         "--reward-window", str(window)])
+                         "--reward-window", str(window), *(GRPO_LEARN if learn else ())])
     with grpo.quiet_stderr():
         model_dir, prompts_path, _ = grpo.prepare_inputs(work, a)
     runners = {"rollout": lambda *x, **k: grpo.run_rollout(*x, **k, off_policy_steps=0), "trl": grpo.run_trl}
@@ -246,11 +254,13 @@ def job_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             with grpo.quiet_stderr():
                 m = fn(work / f"{name}-{repeat}", model_dir, prompts_path, a, seed=repeat)
             return m.s_per_step, {"generation_s": m.generation_s, "sample_s": m.sample_s,
-                                  "reward_last": statistics.fmean(m.rewards[-window:])}
+                                  "reward_first": statistics.fmean(m.rewards[:window]),
+                                  "reward_last": statistics.fmean(m.rewards[-window:]), "steps": steps}
         return call
 
     ratios = {"trl/rollout (s/step)": lambda f: f["trl"] / f["rollout"]}
-    return {"grpo": Repeats(args, "grpo").run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
+    label = args.worker or "grpo"
+    return {label: Repeats(args, label).run({n: side(fn, n) for n, fn in runners.items()}, ratios)}
 
 
 def job_generation(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -368,7 +378,7 @@ def worker(args: argparse.Namespace) -> None:
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
     job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "rm": job_rm_kto,
-           "kto": job_rm_kto, "grpo": job_grpo, "generation": job_generation, "serving": job_serving,
+           "kto": job_rm_kto, "grpo": job_grpo, "grpo-learn": job_grpo, "generation": job_generation, "serving": job_serving,
            "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
@@ -410,11 +420,12 @@ TARGETS = {
     ("dpo", "rollout/trl"): 1.5,
     ("dpo", "rollout/bare"): 0.95,
     ("grpo", "trl/rollout (s/step)"): 2.0,
+    ("grpo-learn", "trl/rollout (s/step)"): 2.0,
     ("generation", "engine/generate"): 1.5,
     ("multiturn", "rollout/naive"): 2.0,
 }
 UNITS = {"sft-padded": "tok/s", "sft-packed": "tok/s", "sft-mixed": "tok/s", "dpo": "steps/s", "rm": "steps/s",
-         "kto": "steps/s", "grpo": "s/step", "generation": "tok/s", "serving": "tok/s", "multiturn": "episodes/s"}
+         "kto": "steps/s", "grpo": "s/step", "grpo-learn": "s/step", "generation": "tok/s", "serving": "tok/s", "multiturn": "episodes/s"}
 
 
 def summarize(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -471,6 +482,22 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
             f"[{spread['min']:.2f}-{spread['max']:.2f}] | {'' if r['target'] is None else r['target']} | "
             f"{'' if r['met'] is None else ('yes' if r['met'] else 'NO')} | {r['repeats']} | "
             f"{r['load']['min']:.1f}-{r['load']['max']:.1f} |")
+    rewards = [r for r in rows if r["job"] in ("grpo", "grpo-learn") and "trl" in r["extra"]]
+    if rewards:
+        out += ["", "GRPO's sampled reward, the mean of the first / last steps of each run (window: "
+                f"{REWARD_WINDOW} steps, or half the run), repeat r = seed r on both sides; met: rollout's mean "
+                "over the seeds of the last window >= TRL's.", "",
+                "| job | threads | steps | rollout first -> last, per seed | TRL first -> last, per seed | "
+                "mean last, rollout / TRL | met |", "|---|---:|---:|---|---|---|---|"]
+        for r in rewards:
+            per_side = {n: r["extra"][n] for n in ("rollout", "trl")}
+            text = {n: ", ".join(f"{e.get('reward_first', float('nan')):.3f} -> {e['reward_last']:.3f}" for e in v)
+                    for n, v in per_side.items()}
+            mean = {n: statistics.fmean(e["reward_last"] for e in v) for n, v in per_side.items()}
+            steps = per_side["rollout"][0].get("steps", "")
+            out.append(f"| {r['job']} | {r['threads']} | {steps} | {text['rollout']} | {text['trl']} | "
+                       f"{mean['rollout']:.3f} / {mean['trl']:.3f} | "
+                       f"{'yes' if mean['rollout'] >= mean['trl'] else 'NO'} |")
     if startup:
         out += ["", "| command | wall min | wall median | wall max | cpu min | cpu median | target | met (median wall) |",
                 "|---|---:|---:|---:|---:|---:|---:|---|"]
