@@ -23,6 +23,8 @@ the first and the last `--reward-window` steps. Repeat r runs every library with
 seed r (so the rewards are compared over seeds, not one lucky draw: at 2 prompts
 per step and lr 1e-3 single runs of both libraries sometimes collapse to reward
 ~0), and alternates the order of the runs; medians over repeats are reported.
+The libraries sample their own completions, so their reward curves also differ by
+chance; `grpo_trl_parity.py` compares the update itself on one batch TRL sampled.
 
 Held equal (the header says it again):
 
