@@ -92,6 +92,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench_common import (
     MODEL_SIZES,
@@ -435,36 +436,32 @@ def run_rollout(
 # --------------------------------------------------------------------------- TRL
 
 
-def run_trl(
-    work: Path, model_dir: Path, data_path: Path, args: argparse.Namespace, *, seed: int
-) -> Measurement:
-    import torch
+def trl_dataset(data_path: Path) -> Any:
+    """The prompt rows as TRL's `GRPOTrainer` takes them: `prompt` and the `answer` column its reward reads."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rollout.tasks.arithmetic import is_correct
 
     with data_path.open(encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    step_rewards: list[float] = []
-    lengths: list[float] = []
 
-    def arithmetic_correct(completions: list, answer: list, **_: object) -> list[float]:
-        """rollout's reward, TRL-shaped: completions are message lists for conversational prompts."""
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = [1.0 if is_correct(t, str(a)) else 0.0 for t, a in zip(texts, answer, strict=True)]
-        step_rewards.append(statistics.fmean(scores))  # one call per generation batch = per step
-        return scores
+def trl_scores(completions: list, answer: list) -> list[float]:
+    """rollout's `arithmetic_correct`, TRL-shaped: completions are message lists for conversational prompts."""
+    from rollout.tasks.arithmetic import is_correct
 
-    batch = args.prompts * args.generations
-    config = GRPOConfig(
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if is_correct(t, str(a)) else 0.0 for t, a in zip(texts, answer, strict=True)]
+
+
+def trl_config(work: Path, args: argparse.Namespace, *, seed: int) -> Any:
+    """TRL's `GRPOConfig` held equal to rollout's run (the module docstring)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=str(work),
         seed=seed,
         max_steps=args.steps,
-        per_device_train_batch_size=batch,  # completions, not prompts
+        per_device_train_batch_size=args.prompts * args.generations,  # completions, not prompts
         num_generations=args.generations,
         gradient_accumulation_steps=1,
         max_completion_length=args.max_tokens,
@@ -490,6 +487,26 @@ def run_trl(
         disable_tqdm=True,
         **no_activation_checkpointing(GRPOConfig),
     )
+
+
+def run_trl(
+    work: Path, model_dir: Path, data_path: Path, args: argparse.Namespace, *, seed: int
+) -> Measurement:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    dataset = trl_dataset(data_path)
+    step_rewards: list[float] = []
+    lengths: list[float] = []
+
+    def arithmetic_correct(completions: list, answer: list, **_: object) -> list[float]:
+        scores = trl_scores(completions, answer)
+        step_rewards.append(statistics.fmean(scores))  # one call per generation batch = per step
+        return scores
+
+    batch = args.prompts * args.generations
+    config = trl_config(work, args, seed=seed)
     load = {"dtype": torch_dtype(args), "attn_implementation": "sdpa"}
     policy = AutoModelForCausalLM.from_pretrained(model_dir, **load)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

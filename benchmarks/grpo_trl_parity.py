@@ -24,14 +24,13 @@ differ by more than `--tolerance` (default 1e-5; float32 rounding gives ~1e-7).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import grpo_step
-from bench_common import no_activation_checkpointing, quiet_stderr
+from bench_common import quiet_stderr
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,15 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compare(args: argparse.Namespace, work: Path) -> list[dict[str, float]]:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rollout.algorithms.config import GRPOConfig as RolloutGRPOConfig
     from rollout.algorithms.grpo import GRPOBatch, make_grpo_loss_fn
     from rollout.losses.grpo import compute_group_advantages
     from rollout.models.prefix import collate_prefix
-    from rollout.tasks.arithmetic import is_correct
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -68,22 +65,13 @@ def compare(args: argparse.Namespace, work: Path) -> list[dict[str, float]]:
                                       *(["--model-dir", str(args.model_dir)] if args.model_dir else [])])
     with quiet_stderr():
         model_dir, prompts_path, _ = grpo_step.prepare_inputs(work, step_args)
-    rows = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    dataset = grpo_step.trl_dataset(prompts_path)
 
     def arithmetic_correct(completions: list, answer: list, **_: object) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [1.0 if is_correct(t, str(a)) else 0.0 for t, a in zip(texts, answer, strict=True)]
+        return grpo_step.trl_scores(completions, answer)
 
     size = args.prompts * args.generations
-    config = GRPOConfig(
-        output_dir=str(work / "trl"), seed=0, max_steps=1, per_device_train_batch_size=size,
-        num_generations=args.generations, gradient_accumulation_steps=1, max_completion_length=args.max_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, beta=0.0, epsilon=grpo_step.CLIP, num_iterations=1,
-        scale_rewards="group", loss_type="dapo", learning_rate=grpo_step.LR, bf16=False, fp16=False,
-        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-        **no_activation_checkpointing(GRPOConfig),
-    )
+    config = grpo_step.trl_config(work / "trl", step_args, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     trainer = GRPOTrainer(model=policy, reward_funcs=[arithmetic_correct], args=config, train_dataset=dataset,
@@ -123,7 +111,7 @@ def compare(args: argparse.Namespace, work: Path) -> list[dict[str, float]]:
         completion_rows = [ids[m.bool()].tolist()
                            for ids, m in zip(batch["completion_ids"], batch["completion_mask"], strict=True)]
         texts = tokenizer.batch_decode(completion_rows, skip_special_tokens=True)
-        rewards = torch.tensor([1.0 if is_correct(t, str(x["answer"])) else 0.0 for t, x in zip(texts, inputs, strict=True)])
+        rewards = torch.tensor(grpo_step.trl_scores(texts, [x["answer"] for x in inputs]))
         groups = torch.arange(size) // args.generations
         advantages = compute_group_advantages(rewards, groups, scale_rewards="group")
         prefix = collate_prefix(prompt_rows, completion_rows, tokenizer.pad_token_id)
@@ -131,7 +119,8 @@ def compare(args: argparse.Namespace, work: Path) -> list[dict[str, float]]:
         ro_loss, _ = loss_fn(model, GRPOBatch(prefix, advantages, None, None, None))
         g_ro = gradient(ro_loss)
         diff = norm([a - b for a, b in zip(g_ro, g_trl, strict=True)]) / norm(g_trl)
-        results.append({"reward": float(rewards.mean()), "trl_loss": float(trl_loss.detach()), "rollout_loss": float(ro_loss.detach()),
+        results.append({"reward": float(rewards.mean()), "trl_loss": float(trl_loss.detach()),
+                        "rollout_loss": float(ro_loss.detach()),
                         "trl_grad_norm": norm(g_trl), "rollout_grad_norm": norm(g_ro), "grad_rel_diff": diff,
                         "adv_max_diff": float((advantages - batch["advantages"]).abs().max()),
                         "tokens": int(prefix.target_mask.sum())})

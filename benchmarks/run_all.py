@@ -491,10 +491,10 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
                 "mean last, rollout / TRL | met |", "|---|---:|---:|---|---|---|---|"]
         for r in rewards:
             per_side = {n: r["extra"][n] for n in ("rollout", "trl")}
-            text = {n: ", ".join(f"{e.get('reward_first', float('nan')):.3f} -> {e['reward_last']:.3f}" for e in v)
+            text = {n: ", ".join(f"{e['reward_first']:.3f} -> {e['reward_last']:.3f}" for e in v)
                     for n, v in per_side.items()}
             mean = {n: statistics.fmean(e["reward_last"] for e in v) for n, v in per_side.items()}
-            steps = per_side["rollout"][0].get("steps", "")
+            steps = per_side["rollout"][0]["steps"]
             out.append(f"| {r['job']} | {r['threads']} | {steps} | {text['rollout']} | {text['trl']} | "
                        f"{mean['rollout']:.3f} / {mean['trl']:.3f} | "
                        f"{'yes' if mean['rollout'] >= mean['trl'] else 'NO'} |")
