@@ -74,6 +74,32 @@ def test_grpo_resume_is_bit_identical(pipelined, workspace, tmp_path):
     assert_resume_matches(config, cfg, full.run_id, snaps)
 
 
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_pipelined_batches_get_an_old_log_prob_pass_only_when_reused(iterations, workspace, tmp_path, monkeypatch):
+    """Pipelined (each batch sampled by the weights of the step before): with one optimizer step per
+    batch the old log-probs are the loss's own detached ones -- the policy before that step, what a
+    second forward would give -- so no second forward runs and the PPO ratio is exactly 1; with two
+    iterations the second needs the first's values, so one frozen pass per batch runs."""
+    import rollout.algorithms.grpo as grpo
+
+    calls = []
+    frozen = grpo.frozen_logps
+    monkeypatch.setattr(grpo, "frozen_logps", lambda *a, **k: calls.append(1) or frozen(*a, **k))
+    replace = {**SMALL, "off_policy_steps = 0": "off_policy_steps = 1",
+               "num_iterations = 1": f"num_iterations = {iterations}"}
+    cfg = load_config(example_config("grpo-tiny.toml", workspace, tmp_path, replace))
+    run = grpo.train_grpo(cfg)
+    store = _store(cfg)
+    ratio_max = [m.value for m in store.read_metrics(run.run_id, name="train/ratio_max")]
+    staleness = [m.value for m in store.read_metrics(run.run_id, name="rollout/staleness")]
+    store.close()
+    assert len(ratio_max) == N and staleness[-1] == 1.0  # trained a batch sampled one version behind
+    if iterations == 1:
+        assert calls == [] and ratio_max == [1.0] * N
+    else:
+        assert len(calls) == N // 2  # one pass per batch, each batch trained twice
+
+
 MULTI_TURN = {
     '"../local/models/tools-cold-sft-tiny"': '"../local/models/tiny"',
     '"../local/data/calculator/prompts.jsonl"': '"../local/data/arithmetic/prompts.jsonl"',

@@ -72,7 +72,7 @@ from rollout.run import (
 class GRPOBatch:
     rows: Any  # PrefixBatch: each prompt once, its completions on top (completion-major columns)
     advantages: Any  # [B]
-    old_logps: Any  # [B, Lc] or None (on-policy first iteration: the detached current log-probs)
+    old_logps: Any  # [B, Lc] or None (one iteration per batch: the loss's detached log-probs)
     ref_logps: Any  # [B, Lc] or None
     rollout_logps: Any  # [B, Lc] the engine's log-probs of the sampled tokens
 
@@ -224,7 +224,11 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 # ---- micro-batches with their fixed inputs
                 chunks = [list(range(len(samples)))[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)]
                 chunks = [c for c in chunks if c]
-                stale = s.num_iterations > 1 or batch.policy_version != version
+                # Old log-probs are the policy's before this batch's first optimizer step: with one
+                # iteration that is the loss's own forward (detached), pipelined or not -- the batch's
+                # staleness is the engine's log-probs' business (truncated IS). A second pass only
+                # when later iterations need the first one's values, as TRL's `num_iterations`.
+                reused = s.num_iterations > 1
                 whole = [collate_samples(samples, idx, pad_id) for idx in chunks]  # the global micro-batches
                 normalizer = grpo_normalizer(s.loss_agg, [rows.target_mask for rows in whole], max_completion)
                 step_tokens = sum(rows.num_row_tokens for rows in whole)
@@ -236,7 +240,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     rows = rows.to(device)
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
                                        rows.completion_ids.shape[1]).to(device)
-                    old = frozen_logps(backend, model, rows, s.temperature) if stale else None
+                    old = frozen_logps(backend, model, rows, s.temperature) if reused else None
                     ref_logps = ref.token_logps(rows, temperature=s.temperature) if ref is not None else None
                     micro.append(GRPOBatch(rows, advantages[idx].to(device), old, ref_logps, rollout))
                 # ---- train: num_iterations optimizer steps on this batch
