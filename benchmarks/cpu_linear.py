@@ -1,0 +1,181 @@
+"""Training's matrix products on the CPU: `F.linear` (MKL's sgemm) against oneDNN's, one process.
+
+    .venv/bin/python benchmarks/cpu_linear.py                 # tiny model, 16 x 64 tokens, 1 thread, ~1 min
+    .venv/bin/python benchmarks/cpu_linear.py --threads 2
+    .venv/bin/python benchmarks/cpu_linear.py --model mid --rows 8
+
+torch's CPU build sends a float32 `F.linear` to MKL. oneDNN (`torch.ops.mkldnn._linear_pointwise`,
+what the hf engine's prepacked decode products use) is also in the build, and on some CPUs its
+products are much faster: on an AMD EPYC VM with AVX-512 (2026-11-28) a [496, 128] x [128, 1024]
+product took 0.53 ms through oneDNN against 1.24 ms through `F.linear`, one thread. rollout's
+training passes multiply through `F.linear` today. This script measures what routing them through
+oneDNN would give, before anything in src/ does it:
+
+  (1) products: the model's weight shapes against `--rows` x `--len` activation rows, `F.linear`
+      vs oneDNN with the weight as it is vs oneDNN with a prepacked weight (forward only);
+  (2) a training step: `lean_hidden_states` + LM head + cross-entropy, forward and backward, with
+      every product through `F.linear` or through a `torch.autograd.Function` whose forward and
+      both backward products (input and weight gradients) are oneDNN's; interleaved, medians.
+      Also printed: whether the losses are the same bits, and the largest gradient difference.
+
+The two libraries sum in different orders, so the trained bits differ in the last places (as on
+another CPU); which is faster depends on the CPU and the thread count (measure both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_common import MODEL_SIZES
+
+onednn = torch.ops.mkldnn._linear_pointwise
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` with its forward and backward products in oneDNN."""
+
+    @staticmethod
+    def forward(ctx: any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return onednn(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx: any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:  # grad [.., out] x weight [out, in]: weight.t() as a [in, out] "weight"
+            gx = onednn(grad, weight.t().contiguous(), None, "none", [], "")
+        if ctx.needs_input_grad[1]:  # grad.t() [out, rows] x x [rows, in]: x.t() as a [in, rows] "weight"
+            gw = onednn(rows.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(), None, "none", [], "")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = rows.sum(0)
+        return gx, gw, gb
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return OneDNNLinear.apply(x, weight, bias)
+
+
+def median_ms(fn: any, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def products(model: any, tokens: int, reps: int) -> None:
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    print(f"(1) products, {tokens} activation rows, forward only, median ms of {reps}")
+    print(f"{'weight [out, in]':>18} | {'F.linear':>9} | {'oneDNN':>9} | {'prepacked':>9} | F.linear / oneDNN")
+    for out_f, in_f in shapes:
+        w, x = torch.randn(out_f, in_f), torch.randn(tokens, in_f)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, tokens)
+        a = median_ms(lambda: F.linear(x, w), reps)  # noqa: B023
+        b = median_ms(lambda: onednn(x, w, None, "none", [], ""), reps)  # noqa: B023
+        c = median_ms(lambda: onednn(x, packed, None, "none", [], ""), reps)  # noqa: B023
+        print(f"{str([out_f, in_f]):>18} | {a:9.3f} | {b:9.3f} | {c:9.3f} | {a / b:.2f}x")
+
+
+def training_step(model: any, rows: int, length: int, steps: int) -> None:
+    import rollout.models.lean_decoder as lean
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=g)
+    positions = torch.arange(length).expand(rows, length)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    plain = lean.F
+
+    def step(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        if kind == "onednn":  # the lean layer's `F.linear` calls go to oneDNN
+            lean.F = _Functional(onednn_linear)
+        try:
+            hidden = lean.lean_hidden_states(model, ids, positions, mask)
+        finally:
+            lean.F = plain
+        assert hidden is not None, "the lean forward does not run this model"
+        head = onednn_linear if kind == "onednn" else F.linear
+        logits = head(hidden[:, :-1], model.lm_head.weight)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss_a, grads_a = step("mkl")
+    loss_b, grads_b = step("onednn")
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b, strict=True))
+    scale = max(float(a.abs().max()) for a in grads_a)
+    times: dict[str, list[float]] = {"mkl": [], "onednn": []}
+    for i in range(steps):
+        for kind in ("mkl", "onednn") if i % 2 == 0 else ("onednn", "mkl"):
+            t0 = time.perf_counter()
+            step(kind)
+            times[kind].append(time.perf_counter() - t0)
+    a, b = statistics.median(times["mkl"]) * 1e3, statistics.median(times["onednn"]) * 1e3
+    print(f"\n(2) training step, {rows} x {length} tokens, forward + backward, median of {steps} interleaved")
+    print(f"F.linear {a:.2f} ms, oneDNN {b:.2f} ms: {a / b:.2f}x; loss {float(loss_a):.7f} vs {float(loss_b):.7f}"
+          f" ({'the same bits' if torch.equal(loss_a, loss_b) else 'other bits'}); largest gradient difference"
+          f" {diff:.2e} (largest gradient {scale:.2e})")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in flags else "")
+    except OSError:
+        pass
+    return "CPU"
+
+
+class _Functional:
+    """torch.nn.functional with another `linear`."""
+
+    def __init__(self, linear: any) -> None:
+        self.linear = linear
+
+    def __getattr__(self, name: str) -> any:
+        return getattr(F, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--model", choices=("tiny", "mid"), default="tiny", help="model size (default tiny)")
+    p.add_argument("--rows", type=int, default=16, help="rows per training step (default 16)")
+    p.add_argument("--len", type=int, default=64, help="tokens per row (default 64)")
+    p.add_argument("--steps", type=int, default=60, help="interleaved training steps per side (default 60)")
+    args = p.parse_args(argv)
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        print("this torch build has no oneDNN linear", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from rollout.models.tiny import init_tiny_model
+
+    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+          f"{torch.__config__.show().splitlines()[3].strip().lstrip('- ')}")
+    with tempfile.TemporaryDirectory(prefix="cpu-linear-") as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "model", **MODEL_SIZES[args.model])
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    model.train()
+    products(model, args.rows * args.len, reps=max(20, args.steps))
+    training_step(model, args.rows, args.len, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
