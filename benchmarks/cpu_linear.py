@@ -8,14 +8,15 @@ torch's CPU build sends a float32 `F.linear` to MKL. oneDNN (`torch.ops.mkldnn._
 what the hf engine's prepacked decode products use) is also in the build, and on some CPUs its
 products are much faster: on an AMD EPYC VM with AVX-512 (2026-11-28) a [496, 128] x [128, 1024]
 product took 0.53 ms through oneDNN against 1.24 ms through `F.linear`, one thread. rollout's
-training passes multiply through `F.linear` today. This script measures what routing them through
-oneDNN would give, before anything in src/ does it:
+training passes multiply through `F.linear` unless `[backend] cpu_matmul = "onednn"`
+(`rollout.models.cpu_matmul`). This script measures what oneDNN gives on this CPU, outside rollout's
+loop:
 
   (1) products: the model's weight shapes against `--rows` x `--len` activation rows, `F.linear`
       vs oneDNN with the weight as it is vs oneDNN with a prepacked weight (forward only);
   (2) a training step: `lean_hidden_states` + LM head + cross-entropy, forward and backward, with
-      every product through `F.linear` or through a `torch.autograd.Function` whose forward and
-      both backward products (input and weight gradients) are oneDNN's; interleaved, medians.
+      every product through `F.linear` or (`rollout.models.cpu_matmul`, `"onednn"`) through oneDNN
+      in the forward and both backward products (input and weight gradients); interleaved, medians.
       Also printed: whether the losses are the same bits, and the largest gradient difference.
 
 The two libraries sum in different orders, so the trained bits differ in the last places (as on
@@ -36,33 +37,6 @@ import torch.nn.functional as F
 from bench_common import MODEL_SIZES
 
 onednn = torch.ops.mkldnn._linear_pointwise
-
-
-class OneDNNLinear(torch.autograd.Function):
-    """`F.linear(x, weight, bias)` with its forward and backward products in oneDNN."""
-
-    @staticmethod
-    def forward(ctx: any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return onednn(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx: any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:  # grad [.., out] x weight [out, in]: weight.t() as a [in, out] "weight"
-            gx = onednn(grad, weight.t().contiguous(), None, "none", [], "")
-        if ctx.needs_input_grad[1]:  # grad.t() [out, rows] x x [rows, in]: x.t() as a [in, rows] "weight"
-            gw = onednn(rows.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(), None, "none", [], "")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = rows.sum(0)
-        return gx, gw, gb
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return OneDNNLinear.apply(x, weight, bias)
 
 
 def median_ms(fn: any, reps: int) -> float:
@@ -89,40 +63,39 @@ def products(model: any, tokens: int, reps: int) -> None:
 
 
 def training_step(model: any, rows: int, length: int, steps: int) -> None:
-    import rollout.models.lean_decoder as lean
+    """`lean_hidden_states` + LM head + cross-entropy, forward and backward, under each setting."""
+    from rollout.models import cpu_matmul
+    from rollout.models.lean_decoder import lean_hidden_states
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=g)
     positions = torch.arange(length).expand(rows, length)
     mask = torch.ones(rows, length, dtype=torch.long)
-    plain = lean.F
 
     def step(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        if kind == "onednn":  # the lean layer's `F.linear` calls go to oneDNN
-            lean.F = _Functional(onednn_linear)
+        cpu_matmul.set_cpu_matmul(kind)
         try:
-            hidden = lean.lean_hidden_states(model, ids, positions, mask)
+            hidden = lean_hidden_states(model, ids, positions, mask)
+            assert hidden is not None, "the lean forward does not run this model"
+            logits = cpu_matmul.project(model.lm_head, hidden[:, :-1])
         finally:
-            lean.F = plain
-        assert hidden is not None, "the lean forward does not run this model"
-        head = onednn_linear if kind == "onednn" else F.linear
-        logits = head(hidden[:, :-1], model.lm_head.weight)
+            cpu_matmul.set_cpu_matmul("torch")
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    loss_a, grads_a = step("mkl")
+    loss_a, grads_a = step("torch")
     loss_b, grads_b = step("onednn")
     diff = max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b, strict=True))
     scale = max(float(a.abs().max()) for a in grads_a)
-    times: dict[str, list[float]] = {"mkl": [], "onednn": []}
+    times: dict[str, list[float]] = {"torch": [], "onednn": []}
     for i in range(steps):
-        for kind in ("mkl", "onednn") if i % 2 == 0 else ("onednn", "mkl"):
+        for kind in ("torch", "onednn") if i % 2 == 0 else ("onednn", "torch"):
             t0 = time.perf_counter()
             step(kind)
             times[kind].append(time.perf_counter() - t0)
-    a, b = statistics.median(times["mkl"]) * 1e3, statistics.median(times["onednn"]) * 1e3
+    a, b = statistics.median(times["torch"]) * 1e3, statistics.median(times["onednn"]) * 1e3
     print(f"\n(2) training step, {rows} x {length} tokens, forward + backward, median of {steps} interleaved")
     print(f"F.linear {a:.2f} ms, oneDNN {b:.2f} ms: {a / b:.2f}x; loss {float(loss_a):.7f} vs {float(loss_b):.7f}"
           f" ({'the same bits' if torch.equal(loss_a, loss_b) else 'other bits'}); largest gradient difference"
@@ -138,16 +111,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "CPU"
-
-
-class _Functional:
-    """torch.nn.functional with another `linear`."""
-
-    def __init__(self, linear: any) -> None:
-        self.linear = linear
-
-    def __getattr__(self, name: str) -> any:
-        return getattr(F, name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="pairs per optimizer step (default 16)")
     p.add_argument("--max-seq-len", type=int, default=64, help="max tokens per sequence (default 64)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both (default 2)")
+    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
+                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
+                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
     p.add_argument("--repeats", type=int, default=3, help="runs per library; medians reported (default 3)")
     p.add_argument(
         "--precompute-ref",
@@ -200,6 +203,7 @@ keep_last = 1
 kind = "torch"
 device = "cpu"
 num_threads = {threads}
+cpu_matmul = "{cpu_matmul}"
 
 [distributed]
 kind = "local"
@@ -226,6 +230,7 @@ def run_rollout(work: Path, model_dir: Path, data_path: Path, args: argparse.Nam
             steps=args.steps,
             max_seq_len=args.max_seq_len,
             threads=args.threads,
+            cpu_matmul=args.cpu_matmul,
         )
     )
     result = train_dpo(load_config(config_path))

@@ -136,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (default 8)")
     p.add_argument("--max-tokens", type=int, default=8, help="max completion tokens (default 8)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for all (default 1)")
+    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
+                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
+                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per library, repeat r with seed r; medians (default 2)"
     )
@@ -354,6 +357,7 @@ keep_last = 1
 kind = "torch"
 device = "{device}"
 num_threads = {threads}
+cpu_matmul = "{cpu_matmul}"
 
 [distributed]
 kind = "local"
@@ -390,6 +394,7 @@ def run_rollout(
             lr=LR,
             steps=args.steps,
             threads=args.threads,
+            cpu_matmul=args.cpu_matmul,
             dtype=args.dtype,
             device=args.device,
         )

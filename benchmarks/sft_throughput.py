@@ -139,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=DATA, default="arithmetic",
                    help="arithmetic lines (17-19 tokens) or mixed with guess-number games (up to 245)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both (default 2)")
+    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
+                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
+                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
     p.add_argument(
         "--repeats", type=int, default=3, help="runs per library and mode; medians reported (default 3)"
     )
@@ -244,6 +247,7 @@ keep_last = 1
 kind = "torch"
 device = "{device}"
 num_threads = {threads}
+cpu_matmul = "{cpu_matmul}"
 
 [distributed]
 kind = "local"
@@ -271,6 +275,7 @@ def run_rollout(
             max_seq_len=args.max_seq_len,
             loss_on=args.loss_on,
             threads=args.threads,
+            cpu_matmul=args.cpu_matmul,
             dtype=args.dtype,
             device=args.device,
         )

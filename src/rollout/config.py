@@ -212,6 +212,13 @@ class BackendConfig(StrictModel):
     kind: Literal["torch", "mock"] = Field("torch", description="torch: real training; mock: no-torch stand-in.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when available.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+    cpu_matmul: Literal["torch", "onednn"] = Field(
+        "torch",
+        description="CPU float32 training products of the lean decoder and the LM head: torch's F.linear "
+        "(MKL) or oneDNN's (forward and backward; the same math, other last bits). oneDNN was 1.3-1.6x "
+        "faster per training step on an AMD EPYC CPU at one thread (benchmarks/cpu_linear.py): measure "
+        "on yours. CUDA and bfloat16 products are F.linear either way.",
+    )
     batch_invariant: bool = Field(
         False,
         description="GRPO/PPO on the in-process hf engine: sampled log-probs bitwise independent of the "

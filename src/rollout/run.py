@@ -2,7 +2,7 @@
 save/restore points a training loop calls.
 
     with run_lifecycle(cfg, resume=None) as ctx:         # run row "running", recorder open
-        prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads)
+        prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
         loop = await restore_or_start(ctx, backend)      # LoopState of a fresh run or the resume snapshot
         ...                                              # the algorithm's own loop
         await evaluate_if_due(ctx, loop.step, model, tokenizer)   # [eval], when the step is on its cadence
@@ -223,12 +223,16 @@ def _peer_failures(dist: Distributed) -> Iterator[None]:
                                f" (did a rank die?): {first}") from err
 
 
-def prepare_process(*, seed: int, num_threads: int | None) -> None:
-    """Thread count and every RNG seeded from the run's seed, before anything random happens."""
+def prepare_process(*, seed: int, num_threads: int | None, cpu_matmul: str = "torch") -> None:
+    """Thread count, the CPU products' library (`[backend] cpu_matmul`) and every RNG seeded from
+    the run's seed, before anything random happens."""
     if num_threads:
         import torch
 
         torch.set_num_threads(num_threads)
+    from rollout.models.cpu_matmul import set_cpu_matmul
+
+    set_cpu_matmul(cpu_matmul)
     seed_everything(seed)
 
 

@@ -94,14 +94,26 @@ CASES = {
     "dpo-precomputed-ref": ("dpo-tiny.toml", {**_DPO, "precompute = false": "precompute = true"}),
     "kto": ("kto-tiny.toml", _KTO),
 }
+_ONEDNN = {'[distributed]\nkind = "local"': '[backend]\ncpu_matmul = "onednn"\n\n[distributed]\nkind = "local"'}
+_BIG = {"max_steps = 300": f"max_steps = {N}", "every_steps = 150": f"every_steps = {N // 2}",  # 16 pairs a step:
+        "keep_last = 3": "keep_last = 10", '"../local/models/sft-tiny"': '"../local/models/tiny"'}  # products of >= 128 rows
+CASES["sft-bfd-onednn"] = ("sft-tiny.toml", {**CASES["sft-bfd-accum"][1], "minibatch_size = 32": "minibatch_size = 8",
+                                             "gradient_accumulation = 1": "gradient_accumulation = 1", **_ONEDNN})
+CASES["dpo-frozen-ref-onednn"] = ("dpo-tiny.toml", {**_BIG, **_ONEDNN})  # the reference and the gathered head too
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_is_bit_identical(case, workspace, tmp_path):
+def test_resume_is_bit_identical(case, workspace, tmp_path, monkeypatch):
+    from rollout.models import cpu_matmul
+
     name, replace = CASES[case]
     config = example_config(name, workspace, tmp_path, replace)
     cfg = load_config(config)
+    calls = []
+    apply = cpu_matmul._OneDNNLinear.apply
+    monkeypatch.setattr(cpu_matmul._OneDNNLinear, "apply", lambda *a: calls.append(1) or apply(*a))
     full = _trainer(cfg.algorithm.kind)(cfg)
+    assert bool(calls) == case.endswith("-onednn")  # `[backend] cpu_matmul` decides the products' library
     snaps_a, losses_a = _snapshots(cfg.storage.embedded.path, full.run_id)
     assert sorted(snaps_a) == [N // 2, N]
 

@@ -116,6 +116,7 @@ def sequence_logps(
                        position_ids=tokens.position_ids, use_cache=False).logits
         return completion_logps(logits, tokens.input_ids, tokens.loss_mask)
 
+    from rollout.models.cpu_matmul import project
     from rollout.models.lean_decoder import decoder_hidden_states
 
     decoder, head = parts
@@ -123,7 +124,7 @@ def sequence_logps(
                                    tokens.position_ids)  # [B, T, H]
     valid = tokens.loss_mask[:, 1:].bool()
     rows = valid.nonzero(as_tuple=True)[0]
-    logits = head(hidden[:, :-1][valid])  # [N, V]: only the positions that predict a target
+    logits = project(head, hidden[:, :-1][valid])  # [N, V]: only the positions that predict a target
     per_token = target_logps(logits, tokens.input_ids[:, 1:][valid])
     return _sum_rows(per_token, rows, hidden.shape[0]), valid.sum(dim=1)
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rollout.models import cpu_matmul
+
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 MAX_PACKED_PREFILL = 1 << 24
@@ -235,14 +237,14 @@ class LeanDecoder:
 
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not self.prepacked:
-            return F.linear(x, layer.weight, layer.bias)
+            return cpu_matmul.linear(x, layer.weight, layer.bias)
         return self._packed_product((layer,), x)
 
     def _linears(self, layers: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's product with `x`. Prepacked, one product with the layers' weights stacked
         (q/k/v, gate/up: one copy made once, fewer and wider products), split into views."""
         if not self.prepacked:
-            return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+            return tuple(cpu_matmul.linear(x, layer.weight, layer.bias) for layer in layers)
         return self._packed_product(layers, x).split([layer.out_features for layer in layers], dim=-1)
 
     def _packed_product(self, layers: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from rollout.data.collate import to_additive_mask
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
 from rollout.models.arch import forward_cost, hidden_size, sliding_window
+from rollout.models.cpu_matmul import project
 from rollout.models.kv_cache import cache_kwarg, returned_cache
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ def prefix_logps(
     if parts is not None:
         base = unwrap_peft(model)
         hidden = prefix_outputs(parts[0], batch, "last_hidden_state", base.config, causal_lm=base)
-        logits = parts[1](hidden[sel]).float()
+        logits = project(parts[1], hidden[sel]).float()
     else:
         logits = prefix_outputs(model, batch, "logits", unwrap_peft(model).config)[sel].float()
     if temperature != 1.0:
