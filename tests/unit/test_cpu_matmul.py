@@ -56,6 +56,10 @@ def test_the_setting_picks_the_library_and_leaves_other_tensors_to_f_linear(oned
     assert cpu_matmul.linear(torch.randn(0, 8), w).shape == (0, 3)  # no rows: F.linear
     head = torch.nn.Linear(8, 3)
     torch.testing.assert_close(cpu_matmul.project(head, x), head(x))
+    assert "OneDNN" in type(cpu_matmul.project(head, x).grad_fn).__name__
+    seen = []
+    head.register_forward_pre_hook(lambda *a: seen.append(1))  # e.g. FSDP's unsharding: the module is called
+    assert "OneDNN" not in type(cpu_matmul.project(head, x).grad_fn).__name__ and seen == [1]
     cpu_matmul.set_cpu_matmul("torch")
     assert "OneDNN" not in type(cpu_matmul.linear(x, w).grad_fn).__name__
 

@@ -69,14 +69,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def project(head: Any, x: torch.Tensor) -> torch.Tensor:
-    """`head(x)`: a plain `nn.Linear` head through `linear`, anything else called as it is."""
-    if _kind == "onednn" and type(head) is torch.nn.Linear:
+    """`head(x)`: a plain `nn.Linear` head through `linear`; anything else, and a head with hooks (FSDP's
+    unsharding, offloading), called as it is."""
+    if (_kind == "onednn" and type(head) is torch.nn.Linear and not head._forward_hooks
+            and not head._forward_pre_hooks and not _global_hooks()):
         return linear(x, head.weight, head.bias)
     return head(x)
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter) and type(x) is torch.Tensor  # not a DTensor
+    return (plain and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.dim() >= 2 and x.numel() >= MIN_ROWS * x.shape[-1] > 0 and weight.layout == torch.strided)
 
 
