@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-min", type=float, help="total minutes to aim for (default 15 quick, 45 full)")
     p.add_argument("--min-repeats", type=int, help="default 3")
     p.add_argument("--max-repeats", type=int, help="default 4 quick, 7 full")
+    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
+                   help="rollout's [backend] cpu_matmul in the sft, sft-mixed, dpo and grpo jobs (default torch)")
     p.add_argument("--omp-passive", action="store_true",
                    help="set OMP_WAIT_POLICY=PASSIVE (default: unset, OpenMP's spinning, as users run)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
@@ -151,7 +153,7 @@ def job_sft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import sft_throughput as sft
 
     steps = SFT_STEPS[0 if args.quick else 1]
-    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1"])
+    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1", "--cpu-matmul", args.cpu_matmul])
     model_dir, data_path = sft.prepare_inputs(work)
     out = {}
     for mode, runners in (
@@ -178,7 +180,7 @@ def job_sft_mixed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import sft_throughput as sft
 
     steps = SFT_MIXED_STEPS[0 if args.quick else 1]
-    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1", "--data", "mixed"])
+    a = sft.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1", "--data", "mixed", "--cpu-matmul", args.cpu_matmul])
     model_dir, data_path = sft.prepare_inputs(work, "mixed")
 
     def side(fn: Any, name: str, packed: bool) -> Any:
@@ -198,7 +200,7 @@ def job_dpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import dpo_throughput as dpo
 
     steps = DPO_STEPS[0 if args.quick else 1]
-    a = dpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1"])
+    a = dpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1", "--cpu-matmul", args.cpu_matmul])
     model_dir, data_path = dpo.prepare_inputs(work, None)
     runners = {"rollout": dpo.run_rollout, "trl": dpo.run_trl, "bare": bare_loop.run_bare_dpo}
 
@@ -244,6 +246,7 @@ def job_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     steps = (GRPO_LEARN_STEPS if learn else GRPO_STEPS)[0 if args.quick else 1]
     window = min(REWARD_WINDOW, steps // 2)
     a = grpo.parse_args(["--steps", str(steps), "--threads", str(args.threads[0]), "--repeats", "1",
+                         "--cpu-matmul", args.cpu_matmul,
                          "--reward-window", str(window), *(GRPO_LEARN if learn else ())])
     with grpo.quiet_stderr():
         model_dir, prompts_path, _ = grpo.prepare_inputs(work, a)
@@ -391,7 +394,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_worker(job: str, threads: int, budget_s: float, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job, "--threads", str(threads),
            "--budget-s", f"{budget_s:.0f}", "--min-repeats", str(args.min_repeats),
-           "--max-repeats", str(args.max_repeats), *(["--quick"] if args.quick else [])]
+           "--max-repeats", str(args.max_repeats), "--cpu-matmul", args.cpu_matmul,
+           *(["--quick"] if args.quick else [])]
     env = dict(os.environ)
     if args.omp_passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -477,6 +481,7 @@ def paired_interval(diffs: list[float]) -> tuple[float, float]:
 def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, meta: dict[str, Any]) -> str:
     out = [f"# rollout benchmarks, {meta['date']}, {meta['host']}", "",
            f"{meta['versions']}; {meta['cpus']} cpus; mode {meta['mode']}; OMP_WAIT_POLICY {meta['omp']}; "
+           f"{'' if meta.get('cpu_matmul', 'torch') == 'torch' else 'rollout cpu_matmul ' + meta['cpu_matmul'] + '; '}"
            f"load average {meta['load_before']} before, {meta['load_after']} after; {meta['minutes']:.1f} min.", "",
            "Figures: min / median / max over the repeats. Ratio: median of the per-repeat ratios "
            "(sides run back to back, order alternating), [min-max] in brackets.", "",
@@ -563,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": now.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(), "versions": versions(),
             "cpus": os.cpu_count(), "mode": "quick" if args.quick else "full",
             "omp": "PASSIVE" if args.omp_passive else "spin (unset)",
+            "cpu_matmul": args.cpu_matmul,
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "minutes": (time.perf_counter() - started) / 60}
