@@ -107,6 +107,13 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cpu_matmul_arg(p: argparse.ArgumentParser) -> None:
+    """--cpu-matmul: rollout's `[backend] cpu_matmul` (the peer keeps torch's F.linear)."""
+    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
+                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
+                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
+
+
 def trl_precision(args: argparse.Namespace) -> dict[str, bool]:
     """TRL/transformers TrainingArguments fields for `--device` / `--dtype`."""
     bf16 = args.dtype == "bfloat16"

@@ -73,7 +73,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_common import no_activation_checkpointing, prepare_trl_process, quiet_stderr
+from bench_common import add_cpu_matmul_arg, no_activation_checkpointing, prepare_trl_process, quiet_stderr
 
 LR = 5e-4
 BETA = 0.1
@@ -104,9 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="pairs per optimizer step (default 16)")
     p.add_argument("--max-seq-len", type=int, default=64, help="max tokens per sequence (default 64)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both (default 2)")
-    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
-                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
-                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
+    add_cpu_matmul_arg(p)
     p.add_argument("--repeats", type=int, default=3, help="runs per library; medians reported (default 3)")
     p.add_argument(
         "--precompute-ref",

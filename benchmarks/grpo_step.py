@@ -96,6 +96,7 @@ from typing import Any
 
 from bench_common import (
     MODEL_SIZES,
+    add_cpu_matmul_arg,
     add_precision_args,
     no_activation_checkpointing,
     prepare_trl_process,
@@ -136,9 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (default 8)")
     p.add_argument("--max-tokens", type=int, default=8, help="max completion tokens (default 8)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for all (default 1)")
-    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
-                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
-                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
+    add_cpu_matmul_arg(p)
     p.add_argument(
         "--repeats", type=int, default=2, help="runs per library, repeat r with seed r; medians (default 2)"
     )

@@ -94,6 +94,7 @@ from pathlib import Path
 
 from bench_common import (
     MODEL_SIZES,
+    add_cpu_matmul_arg,
     add_precision_args,
     mfu,
     no_activation_checkpointing,
@@ -139,9 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=DATA, default="arithmetic",
                    help="arithmetic lines (17-19 tokens) or mixed with guess-number games (up to 245)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both (default 2)")
-    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
-                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
-                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
+    add_cpu_matmul_arg(p)
     p.add_argument(
         "--repeats", type=int, default=3, help="runs per library and mode; medians reported (default 3)"
     )

@@ -2,7 +2,7 @@
 save/restore points a training loop calls.
 
     with run_lifecycle(cfg, resume=None) as ctx:         # run row "running", recorder open
-        prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+        prepare_process(cfg)                             # threads, CPU products' library, RNGs
         loop = await restore_or_start(ctx, backend)      # LoopState of a fresh run or the resume snapshot
         ...                                              # the algorithm's own loop
         await evaluate_if_due(ctx, loop.step, model, tokenizer)   # [eval], when the step is on its cadence
@@ -223,17 +223,17 @@ def _peer_failures(dist: Distributed) -> Iterator[None]:
                                f" (did a rank die?): {first}") from err
 
 
-def prepare_process(*, seed: int, num_threads: int | None, cpu_matmul: str = "torch") -> None:
-    """Thread count, the CPU products' library (`[backend] cpu_matmul`) and every RNG seeded from
+def prepare_process(cfg: RunConfig) -> None:
+    """`[backend]`'s thread count and CPU products' library (`cpu_matmul`), and every RNG seeded from
     the run's seed, before anything random happens."""
-    if num_threads:
+    if cfg.backend.num_threads:
         import torch
 
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(cfg.backend.num_threads)
     from rollout.models.cpu_matmul import set_cpu_matmul
 
-    set_cpu_matmul(cpu_matmul)
-    seed_everything(seed)
+    set_cpu_matmul(cfg.backend.cpu_matmul)
+    seed_everything(cfg.seed)
 
 
 # --------------------------------------------------------------------------- budget

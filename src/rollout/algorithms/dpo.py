@@ -115,7 +115,7 @@ def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, dev
 
 async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
     average = s.loss_type == "ipo"
 
     # ---- data

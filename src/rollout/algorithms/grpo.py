@@ -140,7 +140,7 @@ def reduce_metrics(agg: dict[str, float], dist: Distributed) -> dict[str, float]
 
 async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
 
     # ---- data, rewards, engine, manager
     base_model = ModelSource(**s.base_model.model_dump())

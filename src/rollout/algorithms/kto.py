@@ -162,7 +162,7 @@ def global_kl_estimate(policy_kl: Any, ref_kl: Any, dist: Any) -> Any:
 
 async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
 
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())

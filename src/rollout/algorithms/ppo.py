@@ -127,7 +127,7 @@ def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
 
 async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
     if s.budget.max_steps is None:
         raise AlgorithmError("ppo needs budget.max_steps (epochs and tokens are not defined for sampled data)")
     total_steps = s.budget.max_steps

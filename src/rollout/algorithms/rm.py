@@ -115,7 +115,7 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_le
 
 async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
 
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())

@@ -72,7 +72,7 @@ def count_targets(batch: Any) -> int:
 
 async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
     cfg, rec = ctx.config, ctx.recorder
-    prepare_process(seed=cfg.seed, num_threads=cfg.backend.num_threads, cpu_matmul=cfg.backend.cpu_matmul)
+    prepare_process(cfg)
 
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())

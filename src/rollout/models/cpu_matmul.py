@@ -89,9 +89,9 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dim() >= 2 and x.numel() >= MIN_ROWS * x.shape[-1] > 0 and weight.layout == torch.strided)
 
 
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [.., k] x b[n, k].t() -> [.., n] in oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [.., k] x b[n, k].t() (+ bias) -> [.., n] in oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), bias, "none", [], "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -99,7 +99,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias, "none", [], "")
+        return _product(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
