@@ -7,7 +7,9 @@
 torch's CPU build sends a float32 `F.linear` to MKL. oneDNN (`torch.ops.mkldnn._linear_pointwise`,
 what the hf engine's prepacked decode products use) is also in the build, and on some CPUs its
 products are much faster: on an AMD EPYC VM with AVX-512 (2026-11-28) a [496, 128] x [128, 1024]
-product took 0.53 ms through oneDNN against 1.24 ms through `F.linear`, one thread. rollout's
+product took 0.53 ms through oneDNN against 1.24 ms through `F.linear`, one thread; on an AMD EPYC
+VM without AVX-512 (also 2026-11-28) it was the other way: a tiny-model training step 0.82x at one
+thread and 0.79x at two, the forward products 0.89-1.04x at 1024 rows. rollout's
 training passes multiply through `F.linear` unless `[backend] cpu_matmul = "onednn"`
 (`rollout.models.cpu_matmul`). This script measures what oneDNN gives on this CPU, outside rollout's
 loop:
@@ -100,6 +102,18 @@ def training_step(model: any, rows: int, length: int, steps: int) -> None:
     print(f"F.linear {a:.2f} ms, oneDNN {b:.2f} ms: {a / b:.2f}x; loss {float(loss_a):.7f} vs {float(loss_b):.7f}"
           f" ({'the same bits' if torch.equal(loss_a, loss_b) else 'other bits'}); largest gradient difference"
           f" {diff:.2e} (largest gradient {scale:.2e})")
+    print(verdict(a / b, torch.get_num_threads()))
+
+
+def verdict(speedup: float, threads: int) -> str:
+    """What the training step's ratio says about `[backend] cpu_matmul` on this CPU at this thread count
+    (5% either way is within a 2-core VM's noise)."""
+    if speedup >= 1.05:
+        return (f'on this CPU at {threads} thread(s) oneDNN is {speedup:.2f}x: [backend] cpu_matmul = "onednn" '
+                "should train faster here (check with your own shapes: --model, --rows, --len)")
+    if speedup <= 0.95:
+        return f'on this CPU at {threads} thread(s) oneDNN is {speedup:.2f}x: keep the default cpu_matmul = "torch"'
+    return f"on this CPU at {threads} thread(s) the two are within 5% ({speedup:.2f}x): keep the default"
 
 
 def cpu_name() -> str:
@@ -121,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--len", type=int, default=64, help="tokens per row (default 64)")
     p.add_argument("--steps", type=int, default=60, help="interleaved training steps per side (default 60)")
     args = p.parse_args(argv)
+    if args.len < 2 or min(args.threads, args.rows, args.steps) < 1:
+        p.error("--len must be >= 2 (the step predicts each next token); --threads, --rows and --steps >= 1")
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         print("this torch build has no oneDNN linear", file=sys.stderr)
         return 2

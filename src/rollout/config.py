@@ -216,8 +216,9 @@ class BackendConfig(StrictModel):
         "torch",
         description="CPU float32 training products of the lean decoder and the LM head: torch's F.linear "
         "(MKL) or oneDNN's (forward and backward; the same math, other last bits). oneDNN was 1.3-1.6x "
-        "faster per training step on an AMD EPYC CPU at one thread (benchmarks/cpu_linear.py): measure "
-        "on yours. CUDA and bfloat16 products are F.linear either way.",
+        "faster per training step on an AMD EPYC CPU with AVX-512 at one thread and 0.8-0.9x on one "
+        "without: measure on yours (benchmarks/cpu_linear.py). CUDA and bfloat16 products are F.linear "
+        "either way.",
     )
     batch_invariant: bool = Field(
         False,

@@ -12,8 +12,9 @@ product; the two libraries sum in different orders, so the bits differ in the la
 another CPU), and each is deterministic for a given shape and thread count (resume stays
 bit-identical, tested). Which is faster depends on the CPU: on an AMD EPYC VM with AVX-512, MKL's
 products ran at about half oneDNN's speed at every training shape, a training step of the tiny
-model was 1.44x faster at one thread (1.14x at two) and of a 48M model 1.63x
-(`benchmarks/cpu_linear.py`); measure before turning it on elsewhere.
+model was 1.44x faster at one thread (1.14x at two) and of a 48M model 1.63x; on an AMD EPYC VM
+without AVX-512 it was slower: 0.82x / 0.79x (tiny, one / two threads), 0.88x (48M)
+(`benchmarks/cpu_linear.py`, which says which to keep for the CPU it runs on). Hence opt-in.
 
 Only the lean forward (`lean_decoder.lean_hidden_states`: llama, mistral, qwen2, qwen3 with plain
 `nn.Linear` projections) and the LM head applied to gathered positions use it; models that run
