@@ -107,11 +107,11 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_cpu_matmul_arg(p: argparse.ArgumentParser) -> None:
+def add_cpu_matmul_arg(p: argparse.ArgumentParser, where: str = "its CPU training products") -> None:
     """--cpu-matmul: rollout's `[backend] cpu_matmul` (the peer keeps torch's F.linear)."""
     p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
-                   help="rollout's [backend] cpu_matmul: its CPU training products through torch's "
-                   "F.linear or oneDNN (default torch; benchmarks/cpu_linear.py)")
+                   help=f"rollout's [backend] cpu_matmul: {where} through torch's F.linear or oneDNN "
+                   "(default torch; benchmarks/cpu_linear.py)")
 
 
 def trl_precision(args: argparse.Namespace) -> dict[str, bool]:

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.len < 2 or min(args.threads, args.rows, args.steps) < 1:
         p.error("--len must be >= 2 (the step predicts each next token); --threads, --rows and --steps >= 1")
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    from rollout.models import cpu_matmul
+
+    if not cpu_matmul.available():
         print("this torch build has no oneDNN linear", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)

@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import add_cpu_matmul_arg
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 JOBS = ("startup", "sft", "sft-mixed", "dpo", "rm", "kto", "grpo", "grpo-learn", "generation", "serving", "multiturn")
@@ -87,8 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-min", type=float, help="total minutes to aim for (default 15 quick, 45 full)")
     p.add_argument("--min-repeats", type=int, help="default 3")
     p.add_argument("--max-repeats", type=int, help="default 4 quick, 7 full")
-    p.add_argument("--cpu-matmul", choices=("torch", "onednn"), default="torch",
-                   help="rollout's [backend] cpu_matmul in the sft, sft-mixed, dpo and grpo jobs (default torch)")
+    add_cpu_matmul_arg(p, "the sft, sft-mixed, dpo and grpo jobs' training products")
     p.add_argument("--omp-passive", action="store_true",
                    help="set OMP_WAIT_POLICY=PASSIVE (default: unset, OpenMP's spinning, as users run)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")

@@ -98,7 +98,8 @@ _ONEDNN = {'[distributed]\nkind = "local"': '[backend]\ncpu_matmul = "onednn"\n\
 _BIG = {"max_steps = 300": f"max_steps = {N}", "every_steps = 150": f"every_steps = {N // 2}",  # 16 pairs a step:
         "keep_last = 3": "keep_last = 10", '"../local/models/sft-tiny"': '"../local/models/tiny"'}  # products of >= 128 rows
 CASES["sft-bfd-onednn"] = ("sft-tiny.toml", {**CASES["sft-bfd-accum"][1], "minibatch_size = 32": "minibatch_size = 8",
-                                             "gradient_accumulation = 1": "gradient_accumulation = 1", **_ONEDNN})
+                                             "gradient_accumulation = 1": "gradient_accumulation = 1",  # undo -accum's 2
+                                             **_ONEDNN})
 CASES["dpo-frozen-ref-onednn"] = ("dpo-tiny.toml", {**_BIG, **_ONEDNN})  # the reference and the gathered head too
 
 
