@@ -20,7 +20,7 @@ arithmetic` (made once, seed 0, like the demo):
 | rm   | pair accuracy on `eval_pref.jsonl` |
 | dpo  | implicit-reward pair accuracy on `eval_pref.jsonl` (reference = the SFT model) |
 | kto  | log-prob gap desirable - undesirable on `eval_kto.jsonl`, after minus before |
-| grpo, ppo | mean reward of 8 samples (T=1, seed 123) per held-out prompt, after minus the warm-up start |
+| grpo, ppo | mean reward of 8 samples (T=1, prompt i seeded `derive_seed(123, i)`) per held-out prompt, after minus the warm-up start |
 
 Each cell runs in its own process (`--cell`), so thread counts and RNG states
 never leak between cells. The table prints one row per (algo, seed, threads),
@@ -74,13 +74,17 @@ def example_config(name: str, workspace: Path, dest: Path, *, seed: int, threads
 
 
 def sampled_reward(model_dir: Path, rows: list[dict]) -> float:
+    """Mean reward of 8 samples (T=1) a held-out prompt; prompt i seeded `derive_seed(123, i)`, as the
+    tests' `held_out_rewards` (one seed for all prompts would reuse 8 random streams prompt after prompt)."""
     from rollout.inference.hf_engine import load_hf_engine
-    from rollout.inference.types import GenerationRequest, SamplingParams
+    from rollout.inference.types import GenerationRequest, SamplingParams, derive_seed
     from rollout.tasks.arithmetic import is_correct
 
     engine = load_hf_engine(str(model_dir))
-    out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
-                          SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
+    out = engine.generate([
+        GenerationRequest(prompt=r["prompt"],
+                          params=SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=derive_seed(123, i)))
+        for i, r in enumerate(rows)])  # fmt: skip
     hits = sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c)
     return hits / (8 * len(rows))
 

@@ -6,13 +6,11 @@
 
 A refactor that claims "behaviour unchanged" must leave these digests
 byte-identical. The digests hold for one machine: CPU kernels differ in the
-last bits between CPUs (the baseline here was written on a 2-core Intel Xeon VM on
-2026-11-27 19:45, after short RL rounds stopped multiplying by prepacked weight copies
-(`rl_common.plan_weight_copies`), which moved the grpo-tiny and grpo-tiny+lora+ref digests only;
-on that VM the commit before gave none of the 10 digests of the previous baseline, written on an
-AMD EPYC VM; its kto-tiny entry was rewritten on 2026-11-28, an Intel Xeon VM where the commit
-before gave all 10 baseline digests, when KTO's reference began scoring the lines and their
-mismatched partners in one shared-prompt pass. On another machine, run the script on the commit
+last bits between CPUs (the baseline here was written on a 2-core AMD EPYC VM with AVX-512 on
+2026-11-28 18:59, when sampling became inverse CDF (`inference/sampling.py`), which moved the four
+RL digests -- grpo-tiny, ppo-tiny and the two grpo variants -- and no other: on that VM the commit
+before gave the same six others. The baseline before was an Intel Xeon VM's, where none of this
+VM's digests match. On another machine, run the script on the commit
 before a change first and compare with that). The script makes the tiny model and the arithmetic data in a
 temporary folder, then runs each example config from `examples/` through the
 real CLI (`rollout train <kind>`, one subprocess each) with its paths rewritten

@@ -242,3 +242,30 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model_dir: Path, monkeypatc
             expected = teacher_forced_logprobs(engine.model, c.prompt_token_ids, c.token_ids)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
     assert [c.token_ids for c in results[0]] == [c.token_ids for c in results[2]]  # same prompt, same seed
+
+
+def test_sampled_tokens_follow_the_tempered_distribution(engine: HFEngine) -> None:
+    """3,000 one-token completions of one prompt, each request its own seed, at temperature 0.3: the
+    counts match the tempered probabilities the engine reports (chi-square over the tokens expected >= 5 times;
+    a sampler that ignored the temperature, or reused one random stream, lands far above the bound)."""
+    import math
+    from collections import Counter
+
+    n = 3000
+    requests = [
+        GenerationRequest(prompt=PROMPTS[0], params=SamplingParams(temperature=0.3, max_tokens=1, seed=i, tempered_logprobs=True))
+        for i in range(n)
+    ]
+    choices = [c[0] for c in engine.generate(requests)]
+    counts = Counter(c.token_ids[0] for c in choices)
+    prob = {c.token_ids[0]: math.exp(c.logprobs[0]) for c in choices}
+    kept = [t for t in prob if n * prob[t] >= 5]
+    assert len(kept) >= 5, "the test needs a spread distribution"
+    chi_square = sum((counts[t] - n * prob[t]) ** 2 / (n * prob[t]) for t in kept)
+    # the kept tokens' own mass, and what falls outside them, are one more cell
+    rest_expected = n * (1 - sum(prob[t] for t in kept))
+    rest_seen = n - sum(counts[t] for t in kept)
+    if rest_expected >= 5:
+        chi_square += (rest_seen - rest_expected) ** 2 / rest_expected
+    dof = len(kept) - (0 if rest_expected >= 5 else 1)
+    assert chi_square < dof + 6 * math.sqrt(2 * dof), (chi_square, dof)  # mean dof, sd sqrt(2 dof)

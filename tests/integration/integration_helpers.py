@@ -43,3 +43,24 @@ def eval_metrics(capsys, env: str, model_dir: Path, data: Path, store_path: Path
     except SystemExit as exit_:
         assert not exit_.code, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)["metrics"]
+
+
+def held_out_rewards(model_dir: Path, rows: list[dict], *, seed: int = 123) -> tuple[float, float]:
+    """Arithmetic held-out figures of a model folder: greedy accuracy, and the mean reward of 8 samples
+    (temperature 1, 6 tokens) a prompt. Prompt i samples with seed `derive_seed(seed, i)`, as `rollout
+    eval` seeds its rows: one seed for every prompt would give prompt after prompt the same random
+    numbers, and the mean would then rest on 8 draws, not 8 x len(rows)."""
+    from rollout.inference.hf_engine import load_hf_engine
+    from rollout.inference.types import GenerationRequest, SamplingParams, derive_seed
+    from rollout.tasks.arithmetic import is_correct
+
+    engine = load_hf_engine(str(model_dir))
+    greedy = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
+                             SamplingParams(temperature=0, max_tokens=6))  # fmt: skip
+    sampled = engine.generate([
+        GenerationRequest(prompt=r["prompt"],
+                          params=SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=derive_seed(seed, i)))
+        for i, r in enumerate(rows)])  # fmt: skip
+    accuracy = sum(is_correct(c[0].text, r["answer"]) for c, r in zip(greedy, rows, strict=True)) / len(rows)
+    hits = sum(is_correct(x.text, r["answer"]) for c, r in zip(sampled, rows, strict=True) for x in c)
+    return accuracy, hits / (8 * len(rows))

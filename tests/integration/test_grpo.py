@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from integration_helpers import example_config
+from integration_helpers import example_config, held_out_rewards
 
 from rollout.config import load_config
 from rollout.store import open_store
 
 N = 4
-RL_GAIN = 0.25
+RL_GAIN = 0.25  # learning grid, inverse-CDF sampling, each prompt its own seed: worst cell +0.390 (seed 0, 1 thread), median +0.43
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
@@ -192,13 +192,9 @@ def test_unknown_reward_or_env_fails_validate(field, value, message, workspace, 
 
 @pytest.mark.slow
 def test_grpo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_factory):
-    """From a partly trained SFT model (greedy ~65-80%, sampled ~31-33%), the example's budget raises
-    the mean reward of sampled completions on held-out prompts by >= GAIN absolute."""
+    """From a partly trained SFT model (greedy ~65-80%, sampled ~35-39% over seeds 0-4), the example's
+    budget raises the mean reward of sampled completions on held-out prompts by >= GAIN absolute."""
     from rollout.algorithms.grpo import train_grpo
-    from rollout.inference.hf_engine import load_hf_engine
-    from rollout.inference.types import GenerationRequest, SamplingParams
-    from rollout.tasks.arithmetic import is_correct
-
     rl_dir = tmp_path_factory.mktemp("grpo")
     cfg = load_config(example_config("grpo-tiny.toml", workspace, rl_dir, {
         '"../local/models/sft-warmup"': f'"{sft_warmup}"', '"../local/models/grpo-tiny"': f'"{rl_dir}/model"'}))
@@ -206,13 +202,7 @@ def test_grpo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_fac
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
     def held_out(path):
-        engine = load_hf_engine(str(path))
-        reqs = [GenerationRequest(prompt=r["prompt"]) for r in rows]
-        greedy = engine.generate(reqs, SamplingParams(temperature=0, max_tokens=6))
-        sampled = engine.generate(reqs, SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
-        g = sum(is_correct(c[0].text, r["answer"]) for c, r in zip(greedy, rows, strict=True)) / len(rows)
-        m = sum(is_correct(x.text, r["answer"]) for c, r in zip(sampled, rows, strict=True) for x in c) / (8 * len(rows))
-        return g, m
+        return held_out_rewards(path, rows)
 
     g0, m0 = held_out(sft_warmup)
     g1, m1 = held_out(rl_dir / "model")

@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from integration_helpers import example_config
+from integration_helpers import example_config, held_out_rewards
 
 from rollout.config import load_config
 from rollout.store import open_store
 
 N = 4
-RL_GAIN = 0.20  # learning grid, fused AdamW: worst cell +0.259 (seed 3, 1 thread), median +0.341
+RL_GAIN = 0.15  # learning grid, inverse-CDF sampling, each prompt its own seed: worst cell +0.219 (seed 4, 2 threads), median +0.33
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
@@ -113,9 +113,6 @@ def test_ppo_snapshot_exports_the_policy(workspace, tmp_path):
 @pytest.mark.slow
 def test_ppo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_factory):
     from rollout.algorithms.ppo import train_ppo
-    from rollout.inference.hf_engine import load_hf_engine
-    from rollout.inference.types import GenerationRequest, SamplingParams
-    from rollout.tasks.arithmetic import is_correct
 
     rl_dir = tmp_path_factory.mktemp("ppo")
     cfg = load_config(example_config("ppo-tiny.toml", workspace, rl_dir, {
@@ -124,10 +121,7 @@ def test_ppo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_fact
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
     def sampled_reward(path):
-        engine = load_hf_engine(str(path))
-        out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
-                              SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
-        return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
+        return held_out_rewards(path, rows)[1]
 
     before, after = sampled_reward(sft_warmup), sampled_reward(rl_dir / "model")
     print(f"PPO held-out sampled mean reward {before:.3f} -> {after:.3f}")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from integration_helpers import example_config
+from integration_helpers import example_config, held_out_rewards
 
 from rollout.config import load_config
 from rollout.errors import ConfigError
@@ -288,9 +288,6 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, rm_r
     import json
 
     from rollout.algorithms.ppo import train_ppo
-    from rollout.inference.hf_engine import load_hf_engine
-    from rollout.inference.types import GenerationRequest, SamplingParams
-    from rollout.tasks.arithmetic import is_correct
 
     rm_example = (ROOT / "examples" / "rm-tiny.toml").read_text()
     assert "center_rewards_coefficient = 0.01" in rm_example and "rm_pref.jsonl" in rm_example
@@ -303,10 +300,7 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, rm_r
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
     def sampled_accuracy(path):
-        engine = load_hf_engine(str(path))
-        out = engine.generate([GenerationRequest(prompt=r["prompt"]) for r in rows],
-                              SamplingParams(temperature=1.0, max_tokens=6, n=8, seed=123))
-        return sum(is_correct(x.text, r["answer"]) for c, r in zip(out, rows, strict=True) for x in c) / (8 * len(rows))
+        return held_out_rewards(path, rows)[1]
 
     before, after = sampled_accuracy(sft_warmup), sampled_accuracy(rl_dir / "model")
     print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
