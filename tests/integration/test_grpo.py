@@ -201,11 +201,7 @@ def test_grpo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_fac
     train_grpo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
-    def held_out(path):
-        return held_out_rewards(path, rows)
-
-    g0, m0 = held_out(sft_warmup)
-    g1, m1 = held_out(rl_dir / "model")
+    (g0, m0), (g1, m1) = (held_out_rewards(path, rows) for path in (sft_warmup, rl_dir / "model"))
     print(f"GRPO held-out: greedy accuracy {g0:.3f} -> {g1:.3f}, sampled mean reward {m0:.3f} -> {m1:.3f}")
     assert g0 < 0.95 and m0 < 0.45  # the starting point is only partly trained
     assert m1 >= m0 + RL_GAIN  # benchmarks/learning_grid.py: worst cell over seeds 0-4 x threads 1, 2 in the README

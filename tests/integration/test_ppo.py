@@ -120,9 +120,6 @@ def test_ppo_example_raises_held_out_reward(workspace, sft_warmup, tmp_path_fact
     train_ppo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
-    def sampled_reward(path):
-        return held_out_rewards(path, rows)[1]
-
-    before, after = sampled_reward(sft_warmup), sampled_reward(rl_dir / "model")
+    before, after = (held_out_rewards(path, rows)[1] for path in (sft_warmup, rl_dir / "model"))
     print(f"PPO held-out sampled mean reward {before:.3f} -> {after:.3f}")
     assert after >= before + RL_GAIN  # benchmarks/learning_grid.py: worst cell in the README

@@ -299,10 +299,7 @@ def test_sft_rm_ppo_pipeline_raises_held_out_verifiable_accuracy(workspace, rm_r
     result = train_ppo(cfg)
     rows = [json.loads(x) for x in (workspace / "data/arithmetic/eval_prompts.jsonl").read_text().splitlines()]
 
-    def sampled_accuracy(path):
-        return held_out_rewards(path, rows)[1]
-
-    before, after = sampled_accuracy(sft_warmup), sampled_accuracy(rl_dir / "model")
+    before, after = (held_out_rewards(path, rows)[1] for path in (sft_warmup, rl_dir / "model"))
     print(f"PPO-with-RM held-out sampled accuracy {before:.3f} -> {after:.3f}")
     assert after >= before + RM_GAIN
     store = open_store("embedded", path=cfg.storage.embedded.path)
