@@ -132,6 +132,37 @@ def test_gradients_equal_the_full_rows(model, layout):
         assert torch.allclose(shared[name], p.grad, atol=1e-5, rtol=1e-4), name
 
 
+def test_gradients_are_the_same_bits_every_pass_on_two_threads(layout):
+    """A prompt's last position feeds each of its completions, and the backward adds their
+    gradients. Through `x[index]` that sum ran as atomic adds on two threads, in a different order
+    each pass where one prompt's rows are not adjacent (two groups of one prompt, as dynamic
+    sampling's refills make): 10 passes gave 10 different gradients in either layout, and GRPO at
+    two threads was not the same run to run. Every pass must give the same bits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, vocab_size=64)
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(config).train()
+    g = torch.Generator().manual_seed(1)
+    prompts = [tuple(torch.randint(1, 64, (int(n),), generator=g).tolist()) for n in torch.randint(5, 16, (8,), generator=g)]
+    rows = [(p % 8, tuple(torch.randint(1, 64, (int(n),), generator=g).tolist()))  # prompts 0..7, then 0..7 again
+            for p in range(16) for n in torch.randint(1, 5, (8,), generator=g)]
+    b = collate_prefix([prompts[p] for p, _ in rows], [c for _, c in rows], PAD)
+    weights = torch.randn(len(rows), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = set()
+        for _ in range(6):
+            m.zero_grad(set_to_none=True)
+            (prefix_logps(m, b)[0].sum(1) * weights).sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in m.parameters()))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1
+
+
 def test_select_keeps_only_the_prompts_its_rows_use(model, layout):
     b = _batch()
     sub = b.select([1, 4, 3])
