@@ -54,10 +54,15 @@ from rollout.run import (
 
 @dataclass(frozen=True)
 class DPOBatch:
-    tokens: Any  # TokenBatch: rows 0..n-1 chosen, n..2n-1 rejected
+    tokens: Any  # TokenBatch: rows 0..n-1 chosen, n..2n-1 rejected; None when `shared` holds them
     num_pairs: int
     ref_logps: Any  # [2n] reference log-prob sums (averaged for ipo)
     shared: Any = None  # the same rows as a PrefixBatch (each prompt once), when the pairs allow it
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the rows as full sequences (prompt + answer each), whichever form they are in."""
+        return self.shared.num_row_tokens if self.tokens is None else self.tokens.num_tokens
 
 
 def train_dpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
@@ -83,21 +88,25 @@ def make_dpo_loss_fn(s: DPOConfig, normalizer: float) -> Any:
 def reference_logps(
     ref: Reference, tokens: Any, pair_ids: Sequence[int], num_pairs_total: int, *, average: bool, shared: Any = None
 ) -> Any:
-    """[2n] reference log-probs for a pair batch (table rows: chosen 0..N-1, rejected N..2N-1)."""
+    """[2n] reference log-probs for a pair batch (table rows: chosen 0..N-1, rejected N..2N-1).
+    `tokens` may be None when `shared` holds the rows."""
     seq_ids = [*pair_ids, *(num_pairs_total + i for i in pair_ids)]
     logps = ref.logps(tokens, seq_ids, shared=shared)
     if average and ref.kind != "table":  # the table already stores averaged values for ipo
-        counts = tokens.loss_mask[:, 1:].sum(dim=1).clamp(min=1)
+        counts = (shared.target_mask.sum(1) if tokens is None else tokens.loss_mask[:, 1:].sum(dim=1)).clamp(min=1)
         logps = logps / counts.to(logps.dtype)
     return logps
 
 
 def collate_pair_batch(pairs: Sequence[Any], pad_id: int, device: Any) -> tuple[Any, int, Any]:
-    """(full rows as collate_pairs makes them, number of pairs, the same rows sharing each prompt
-    or None when a pair's sides disagree on the prompt tokens), on `device`."""
-    tokens, n = collate_pairs(pairs, pad_id)
+    """(full rows as collate_pairs makes them, number of pairs, the same rows sharing each prompt),
+    on `device`: the shared rows when every pair's sides start with the same prompt tokens (the full
+    rows are then None: nothing reads them), else the full rows (shared None)."""
     shared = collate_shared_pairs(pairs, pad_id)
-    return move_to(tokens, device), n, shared.to(device) if shared is not None else None
+    if shared is not None:
+        return None, len(pairs), shared.to(device)
+    tokens, n = collate_pairs(pairs, pad_id)
+    return move_to(tokens, device), n, None
 
 
 def precompute_pair_table(ref: Reference, pairs: Sequence[Any], pad_id: int, device: Any, *, average: bool) -> Any:
@@ -179,7 +188,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             result = await backend.optim_step()
             loop.step += 1
             names = sorted(agg)
-            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.tokens.num_tokens for b in batches)])
+            *sums, step_tokens = ctx.dist.sum([*(agg[k] for k in names), sum(b.num_tokens for b in batches)])
             agg, step_tokens = dict(zip(names, sums, strict=True)), int(step_tokens)
             loop.tokens_seen += step_tokens
             dt = time.perf_counter() - t0
