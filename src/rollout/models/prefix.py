@@ -188,11 +188,15 @@ def _predictor_outputs(
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`x[index]` for a tensor `index` of rows of `x` that repeat (a prompt's position read by each of
-    its completions), with a gradient that is the same bits run to run. The backward of `x[index]`
-    (`index_put_` with accumulation) adds the repeated rows' gradients with atomic adds on several
-    CPU threads, in whatever order the threads reach them; `index_select`'s (`index_add_`) adds them
-    in index order, as one thread does. Measured: a GRPO batch's gradients at two threads took 14
-    different values in 20 backward passes through `x[index]`, one through this."""
+    its completions), with a gradient that is the same bits run to run. On the CPU the backward of
+    `x[index]` (`index_put_` with accumulation) adds the repeated rows' gradients with atomic adds on
+    several threads, in whatever order the threads reach them; `index_select`'s (`index_add_`) adds
+    them in index order, as one thread does. Measured: a GRPO batch's gradients at two threads took
+    14 different values in 20 backward passes through `x[index]`, one through this. On CUDA it is
+    the other way round (`index_add_` adds atomically, `index_put_` sorts the indices first:
+    torch's `use_deterministic_algorithms` notes), so there `x[index]` stays."""
+    if x.device.type != "cpu":
+        return x[index]
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
