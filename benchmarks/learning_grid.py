@@ -10,6 +10,7 @@ appended to each example config (nothing else changes):
 
     sft-tiny   -> rm-tiny (the RM starts from the SFT model), dpo-tiny, kto-tiny
     sft-warmup -> grpo-tiny, ppo-tiny (RL starts from the partly trained SFT model)
+    sft-tiny -> rm-tiny, then sft-warmup -> ppo-rm-tiny (PPO with that RM as its only training reward)
 
 then each trained model is scored on the held-out files of `rollout data
 arithmetic` (made once, seed 0, like the demo):
@@ -20,7 +21,7 @@ arithmetic` (made once, seed 0, like the demo):
 | rm   | pair accuracy on `eval_pref.jsonl` |
 | dpo  | implicit-reward pair accuracy on `eval_pref.jsonl` (reference = the SFT model) |
 | kto  | log-prob gap desirable - undesirable on `eval_kto.jsonl`, after minus before |
-| grpo, ppo | mean reward of 8 samples (T=1, prompt i seeded `derive_seed(123, i)`) per held-out prompt, after minus the warm-up start |
+| grpo, ppo, ppo-rm | mean reward of 8 samples (T=1, prompt i seeded `derive_seed(123, i)`) per held-out prompt, after minus the warm-up start |
 
 Each cell runs in its own process (`--cell`), so thread counts and RNG states
 never leak between cells. The table prints one row per (algo, seed, threads),
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGOS = ("sft", "rm", "dpo", "kto", "grpo", "ppo")
+ALGOS = ("sft", "rm", "dpo", "kto", "grpo", "ppo", "ppo-rm")
 FIGURE = {
     "sft": "held-out greedy accuracy",
     "rm": "held-out pair accuracy",
@@ -50,6 +51,7 @@ FIGURE = {
     "kto": "held-out desirable gap, gain",
     "grpo": "held-out mean reward, gain",
     "ppo": "held-out mean reward, gain",
+    "ppo-rm": "held-out mean reward (the checker's), gain; trained on the RM only",
 }
 
 
@@ -64,7 +66,7 @@ def example_config(name: str, workspace: Path, dest: Path, *, seed: int, threads
     text = text.replace("\nseed = 0\n", f"\nseed = {seed}\n")
     text = text.replace('"../local/rollout.db"', f'"{dest}/rollout.db"')
     text = text.replace('"../local/object-store"', f'"{dest}/object-store"')
-    for model in ("sft-tiny", "sft-warmup", "rm-tiny", "dpo-tiny", "kto-tiny", "grpo-tiny", "ppo-tiny"):
+    for model in ("sft-tiny", "sft-warmup", "rm-tiny", "dpo-tiny", "kto-tiny", "grpo-tiny", "ppo-tiny", "ppo-rm-tiny"):
         text = text.replace(f'"../local/models/{model}"', f'"{dest}/models/{model}"')
     text = text.replace('"../local/', f'"{workspace}/')
     text += f"\n[backend]\nnum_threads = {threads}\n"
@@ -128,16 +130,16 @@ def run_cell(workspace: Path, dest: Path, *, seed: int, threads: int, algos: lis
     def causal(path: Path):
         return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
-    if "sft" in algos or ({"rm", "dpo", "kto"} & set(algos) and not (models / "sft-tiny").exists()):
+    if "sft" in algos or ({"rm", "dpo", "kto", "ppo-rm"} & set(algos) and not (models / "sft-tiny").exists()):
         seconds = train("sft-tiny.toml", train_sft)
         if "sft" in algos:
             record("sft", greedy_accuracy(*causal(models / "sft-tiny"), _rows(data / "eval_prompts.jsonl")), seconds)
-    if "rm" in algos:
+    if "rm" in algos or ("ppo-rm" in algos and not (models / "rm-tiny").exists()):
         seconds = train("rm-tiny.toml", train_rm)
         rm = AutoModelForSequenceClassification.from_pretrained(models / "rm-tiny")
         acc = pair_accuracy(rm, AutoTokenizer.from_pretrained(models / "rm-tiny"), _rows(data / "eval_pref.jsonl"),
                             max_seq_len=64)
-        record("rm", acc, seconds)
+        record("rm", acc, seconds)  # also when trained only as ppo-rm's reward: the RM it trained against
     if "dpo" in algos:
         seconds = train("dpo-tiny.toml", train_dpo)
         reference, tok = causal(models / "sft-tiny")
@@ -152,11 +154,12 @@ def run_cell(workspace: Path, dest: Path, *, seed: int, threads: int, algos: lis
         after = desirable_gap(AutoModelForCausalLM.from_pretrained(models / "kto-tiny"),
                               AutoTokenizer.from_pretrained(models / "sft-tiny"), lines, max_seq_len=64)
         record("kto", after - before, seconds, before=before, after=after)
-    if {"grpo", "ppo"} & set(algos):
+    if {"grpo", "ppo", "ppo-rm"} & set(algos):
         prompts = _rows(data / "eval_prompts.jsonl")
         warm_s = 0.0 if (models / "sft-warmup").exists() else train("sft-warmup.toml", train_sft)
         start = sampled_reward(models / "sft-warmup", prompts)
-        for algo, name, fn in (("grpo", "grpo-tiny.toml", train_grpo), ("ppo", "ppo-tiny.toml", train_ppo)):
+        for algo, name, fn in (("grpo", "grpo-tiny.toml", train_grpo), ("ppo", "ppo-tiny.toml", train_ppo),
+                               ("ppo-rm", "ppo-rm-tiny.toml", train_ppo)):
             if algo in algos:
                 seconds = train(name, fn)
                 after = sampled_reward(models / f"{algo}-tiny", prompts)
@@ -165,15 +168,15 @@ def run_cell(workspace: Path, dest: Path, *, seed: int, threads: int, algos: lis
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'algo':<5} {'seed':>4} {'thr':>3} {'figure':>8}  {'train s':>7}  detail")
+    print(f"\n{'algo':<6} {'seed':>4} {'thr':>3} {'figure':>8}  {'train s':>7}  detail")
     for row in sorted(rows, key=lambda r: (ALGOS.index(r["algo"]), r["seed"], r["threads"])):
         detail = " ".join(f"{k}={row[k]}" for k in ("before", "after", "margin") if k in row)
-        print(f"{row['algo']:<5} {row['seed']:>4} {row['threads']:>3} {row['value']:>8.3f}  {row['train_s']:>7.1f}  {detail}")
-    print(f"\n{'algo':<5} {'cells':>5} {'worst':>7} {'median':>7} {'best':>7}  figure")
+        print(f"{row['algo']:<6} {row['seed']:>4} {row['threads']:>3} {row['value']:>8.3f}  {row['train_s']:>7.1f}  {detail}")
+    print(f"\n{'algo':<6} {'cells':>5} {'worst':>7} {'median':>7} {'best':>7}  figure")
     for algo in ALGOS:
         values = [r["value"] for r in rows if r["algo"] == algo]
         if values:
-            print(f"{algo:<5} {len(values):>5} {min(values):>7.3f} {statistics.median(values):>7.3f}"
+            print(f"{algo:<6} {len(values):>5} {min(values):>7.3f} {statistics.median(values):>7.3f}"
                   f" {max(values):>7.3f}  {FIGURE[algo]}")
 
 
