@@ -15,7 +15,8 @@ from rollout.config import load_config
 from rollout.store import open_store
 
 N = 4
-RL_GAIN = 0.15  # learning grid, inverse-CDF sampling, each prompt its own seed: worst cell +0.291 (seed 3; 1 and 2 threads alike since the 2-thread fix, whose race had drawn +0.219), median +0.33
+RL_GAIN = 0.15  # learning grid, inverse-CDF sampling, each prompt its own seed: worst cell +0.249 (seed 1, 1 thread,
+# an AVX2-only AMD VM); +0.291 on the AVX-512 VMs (1 and 2 threads alike since the 2-thread fix), median +0.33
 SMALL = {
     '"../local/models/sft-warmup"': '"../local/models/tiny"',
     "minibatch_size = 16": "minibatch_size = 3",
