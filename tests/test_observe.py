@@ -89,9 +89,9 @@ class SlowStore:
     def __init__(self, store, delay_s: float) -> None:
         self._store, self._delay_s = store, delay_s
 
-    def append_events(self, events):
+    def append_records(self, events, metrics):  # what the recorder's writer calls, once per batch
         time.sleep(self._delay_s)
-        self._store.append_events(events)
+        self._store.append_records(events, metrics)
 
     def __getattr__(self, name):
         return getattr(self._store, name)

@@ -86,14 +86,15 @@ class JsonlSink:
 
 
 class StoreSink:
-    """The metadata store: one transaction per batch and kind. The store itself belongs to the run."""
+    """The metadata store: one transaction per batch (events and metrics). The store itself belongs to the run."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
 
     def write(self, records: Sequence[EventRecord | MetricRecord]) -> None:
-        self._store.append_events([r for r in records if isinstance(r, EventRecord)])
-        self._store.append_metrics([r for r in records if isinstance(r, MetricRecord)])
+        self._store.append_records(
+            [r for r in records if isinstance(r, EventRecord)], [r for r in records if isinstance(r, MetricRecord)]
+        )
 
     def close(self) -> None:
         pass

@@ -275,6 +275,23 @@ def test_event_batches_are_atomic(store):
         store.append_events([EventRecord("no-such-run", 0, 1.0, "a", {})])
 
 
+def test_a_recorder_batch_of_events_and_metrics_is_one_transaction(store):
+    """`append_records` (the recorder's writer, one batch per flush): both kinds land, or neither does."""
+    run = make_run(store)
+    store.append_records([EventRecord(run.id, 0, 1.0, "train_step", {"step": 1})],
+                         [MetricRecord(run.id, 1, "train/loss", 2.0), MetricRecord(run.id, 1, "train/loss", 1.5)])
+    assert [e.name for e in store.read_events(run.id)] == ["train_step"]
+    assert [(m.step, m.value) for m in store.read_metrics(run.id)] == [(1, 1.5)]  # last wins within the batch
+    with pytest.raises(StorageError, match=r"append 1 events and 1 metrics .*constraint"):
+        store.append_records([EventRecord(run.id, 0, 2.0, "dup", {})], [MetricRecord(run.id, 2, "train/loss", 1.0)])
+    with pytest.raises(StorageError, match="append 1 events and 1 metrics"):
+        store.append_records([EventRecord(run.id, 1, 2.0, "train_step", {"step": 2})],
+                             [MetricRecord("no-such-run", 2, "train/loss", 1.0)])
+    assert [e.seq for e in store.read_events(run.id)] == [0]  # the events of both failed batches rolled back
+    assert [m.step for m in store.read_metrics(run.id)] == [1]
+    store.append_records([], [])  # nothing to write: no transaction, no error
+
+
 def test_metrics_upsert_and_final_metrics(store):
     run = make_run(store)
     other = make_run(store)

@@ -225,6 +225,10 @@ class Store(Protocol):
         """Upsert a batch of metrics on (run_id, step, name) in one transaction."""
         ...
 
+    def append_records(self, events: Sequence[EventRecord], metrics: Sequence[MetricRecord]) -> None:
+        """Insert events and upsert metrics (as the two above) in one transaction: both or neither."""
+        ...
+
     def read_metrics(self, run_id: str, *, name: str | None = None) -> list[MetricRecord]:
         """A run's metrics ordered by (step, name)."""
         ...

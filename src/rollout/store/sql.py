@@ -259,20 +259,7 @@ class SqlStore:
     # -- events and metrics -------------------------------------------------
 
     def append_events(self, events: Sequence[EventRecord]) -> None:
-        if not events:
-            return
-        rows = [
-            {
-                "run_id": e.run_id,
-                "seq": e.seq,
-                "time": e.time,
-                "name": e.name,
-                "fields": dump_json_text(e.fields, allow_nan=True),
-            }
-            for e in events
-        ]
-        with self._write(f"append {len(rows)} events") as conn:
-            conn.execute(_events.insert(), rows)
+        self.append_records(events, ())
 
     def read_events(self, run_id: str, *, after_seq: int = -1, limit: int | None = None) -> list[EventRecord]:
         query = (
@@ -295,17 +282,33 @@ class SqlStore:
         ]
 
     def append_metrics(self, metrics: Sequence[MetricRecord]) -> None:
-        if not metrics:
+        self.append_records((), metrics)
+
+    def append_records(self, events: Sequence[EventRecord], metrics: Sequence[MetricRecord]) -> None:
+        if not events and not metrics:
             return
-        # Last write wins, also inside one batch (PostgreSQL refuses to upsert a row twice in one statement).
-        latest = {(m.run_id, m.step, m.name): m.value for m in metrics}
-        rows = [{"run_id": r, "step": s, "name": n, "value": v} for (r, s, n), v in latest.items()]
-        insert = self._insert(_metrics)
-        upsert = insert.on_conflict_do_update(
-            index_elements=["run_id", "step", "name"], set_={"value": insert.excluded.value}
-        )
-        with self._write(f"append {len(rows)} metrics") as conn:
-            conn.execute(upsert, rows)
+        what = " and ".join(f"{len(xs)} {kind}" for kind, xs in (("events", events), ("metrics", metrics)) if xs)
+        with self._write(f"append {what}") as conn:
+            if events:
+                rows = [
+                    {
+                        "run_id": e.run_id,
+                        "seq": e.seq,
+                        "time": e.time,
+                        "name": e.name,
+                        "fields": dump_json_text(e.fields, allow_nan=True),
+                    }
+                    for e in events
+                ]
+                conn.execute(_events.insert(), rows)
+            if metrics:
+                # Last write wins, also inside one batch (PostgreSQL refuses to upsert a row twice in one statement).
+                latest = {(m.run_id, m.step, m.name): m.value for m in metrics}
+                insert = self._insert(_metrics)
+                upsert = insert.on_conflict_do_update(
+                    index_elements=["run_id", "step", "name"], set_={"value": insert.excluded.value}
+                )
+                conn.execute(upsert, [{"run_id": r, "step": st, "name": n, "value": v} for (r, st, n), v in latest.items()])
 
     def read_metrics(self, run_id: str, *, name: str | None = None) -> list[MetricRecord]:
         query = (
