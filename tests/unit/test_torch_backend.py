@@ -17,23 +17,28 @@ def _backend(model: nn.Module):
     )
 
 
-def test_forward_backward_trains_in_training_mode_after_an_eval_and_stays_there():
-    """An evaluation between steps leaves the model in eval mode; the next step trains with dropout on.
-    (The backend only calls `train()` when the root is not training: rollout toggles the root only.)"""
+def test_forward_backward_trains_every_module_in_training_mode():
+    """Every step trains with dropout on: after an evaluation put the model in eval mode, and when only
+    a submodule is in eval mode under a training root -- what peft's wrapper of a `from_pretrained`
+    model is (the root is built training, the wrapped model comes back from loading in eval mode).
+    Checking the root's flag alone to skip `train()` missed that case and trained LoRA without its
+    dropout (caught by test_eval_during_training.py)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Dropout(0.5)))
     backend = _backend(model)
     seen: list[tuple[bool, bool, int]] = []
 
     def loss_fn(m: nn.Module, batch: torch.Tensor):
         out = m(batch)
-        seen.append((m.training, m[1].training, int((out == 0).sum())))
+        seen.append((m.training, m[1][0].training, int((out == 0).sum())))
         return out.sum(), {}
 
     x = torch.ones(4, 8)
     model.eval()
     asyncio.run(backend.forward_backward(x, loss_fn))
-    asyncio.run(backend.forward_backward(x, loss_fn))  # already training: stays so
+    model[1].eval()  # a submodule in eval mode under a training root
+    assert model.training
+    asyncio.run(backend.forward_backward(x, loss_fn))
     model.eval()  # e.g. `eval.during_training` between steps
     asyncio.run(backend.forward_backward(x, loss_fn))
     assert [(a, b) for a, b, _ in seen] == [(True, True)] * 3
