@@ -189,7 +189,7 @@ def _fill_rows(
     if width == 0:
         raise ValueError("cannot collate rows without tokens")
     # Flat lists, then one buffer per tensor: ~2x faster than torch.tensor over nested lists
-    # (a padded batch of 16 short samples: 126 -> 54 us), and the collation is on every step's path.
+    # (a padded batch of 16 short samples: 121 -> 58 us), and the collation is on every step's path.
     ids: list[int] = []
     loss: list[bool] = []
     seg: list[int] = []
