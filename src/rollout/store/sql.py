@@ -290,25 +290,13 @@ class SqlStore:
         what = " and ".join(f"{len(xs)} {kind}" for kind, xs in (("events", events), ("metrics", metrics)) if xs)
         with self._write(f"append {what}") as conn:
             if events:
-                rows = [
-                    {
-                        "run_id": e.run_id,
-                        "seq": e.seq,
-                        "time": e.time,
-                        "name": e.name,
-                        "fields": dump_json_text(e.fields, allow_nan=True),
-                    }
-                    for e in events
-                ]
-                conn.execute(_events.insert(), rows)
+                conn.execute(_events.insert(), _event_rows(events))
             if metrics:
-                # Last write wins, also inside one batch (PostgreSQL refuses to upsert a row twice in one statement).
-                latest = {(m.run_id, m.step, m.name): m.value for m in metrics}
                 insert = self._insert(_metrics)
                 upsert = insert.on_conflict_do_update(
                     index_elements=["run_id", "step", "name"], set_={"value": insert.excluded.value}
                 )
-                conn.execute(upsert, [{"run_id": r, "step": st, "name": n, "value": v} for (r, st, n), v in latest.items()])
+                conn.execute(upsert, _metric_rows(metrics))
 
     def read_metrics(self, run_id: str, *, name: str | None = None) -> list[MetricRecord]:
         query = (
@@ -567,6 +555,21 @@ class SqlStore:
             ) from err
         except sa.exc.SQLAlchemyError as err:
             raise StorageError(f"cannot {action} in {self._location}: {_first_line(err)}") from err
+
+
+def _event_rows(events: Sequence[EventRecord]) -> list[dict[str, Any]]:
+    return [
+        {"run_id": e.run_id, "seq": e.seq, "time": e.time, "name": e.name,
+         "fields": dump_json_text(e.fields, allow_nan=True)}
+        for e in events
+    ]
+
+
+def _metric_rows(metrics: Sequence[MetricRecord]) -> list[dict[str, Any]]:
+    """One row per (run_id, step, name), the last value winning: also inside one batch (PostgreSQL
+    refuses to upsert a row twice in one statement)."""
+    latest = {(m.run_id, m.step, m.name): m.value for m in metrics}
+    return [{"run_id": r, "step": s, "name": n, "value": v} for (r, s, n), v in latest.items()]
 
 
 def apply_migrations(engine: sa.Engine) -> list[int]:
