@@ -281,6 +281,52 @@ def test_lean_hidden_states_steps_aside_where_the_forward_does_more():
     assert lean_hidden_states(dropout.eval(), ids, positions, mask) is not None
 
 
+def test_lean_hidden_states_notices_what_changes_after_it_ran():
+    """Its structural checks pass once per model and are remembered (a training step asks on every
+    forward); whatever changes after that is still seen: a wrapped projection (LoRA), a module
+    swapped in (run, with the new module's weights), another attention kernel, a sliding window,
+    activation checkpointing, accelerate's hook attribute. The memo does not keep a model alive."""
+    import gc
+    import weakref
+
+    from rollout.models.lean_decoder import lean_hidden_states
+
+    ids = torch.randint(3, 97, (1, 5))
+    positions = torch.arange(5)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+
+    def want(m):
+        return m.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+
+    model = _model("mistral")
+    assert torch.equal(lean_hidden_states(model, ids, positions, mask), want(model))
+    attn = model.model.layers[0].self_attn
+    plain = attn.q_proj
+    attn.q_proj = torch.nn.Sequential(plain)
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    attn.q_proj = torch.nn.Linear(plain.in_features, plain.out_features, bias=plain.bias is not None)
+    assert torch.equal(lean_hidden_states(model, ids, positions, mask), want(model))
+    model.config.sliding_window = 4
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    model.config.sliding_window = None
+    assert lean_hidden_states(model, ids, positions, mask) is not None
+    model.config._attn_implementation = "eager"
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    model.config._attn_implementation = "sdpa"
+    model.model.layers[1].mlp._hf_hook = object()
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    del model.model.layers[1].mlp._hf_hook
+    assert lean_hidden_states(model, ids, positions, mask) is not None
+    model.model.layers[1].gradient_checkpointing = True  # what transformers' enabling sets on each layer
+    assert lean_hidden_states(model, ids, positions, mask) is None
+    model.model.layers[1].gradient_checkpointing = False
+    assert lean_hidden_states(model, ids, positions, mask) is not None
+    alive = weakref.ref(model)
+    del model, attn, plain
+    gc.collect()
+    assert alive() is None
+
+
 def test_a_padding_query_never_makes_nan():
     model = _model("qwen2")
     ours, cache, _ = _steps(model, lambda m, *a: lean_decoder(m)(*a))

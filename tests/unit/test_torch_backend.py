@@ -41,7 +41,9 @@ def test_forward_backward_trains_every_module_in_training_mode():
     asyncio.run(backend.forward_backward(x, loss_fn))
     model.eval()  # e.g. `eval.during_training` between steps
     asyncio.run(backend.forward_backward(x, loss_fn))
-    assert [(a, b) for a, b, _ in seen] == [(True, True)] * 3
+    model[1][0].eval()  # a leaf two levels down, its parents training
+    asyncio.run(backend.forward_backward(x, loss_fn))
+    assert [(a, b) for a, b, _ in seen] == [(True, True)] * 4
     assert all(zeros > 0 for _, _, zeros in seen)  # dropout zeroed some of the 32 outputs each time
 
 

@@ -120,7 +120,8 @@ class TorchBackend:
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     async def forward_backward(self, batch: Any, loss_fn: LossFn[Any]) -> dict[str, float]:
-        self.model.train()
+        if not _all_training(self.model):
+            self.model.train()
         loss, metrics = loss_fn(self.model, move_to(batch, self.device))
         loss.backward()
         return metrics
@@ -160,6 +161,20 @@ class TorchBackend:
 
             model = copy.deepcopy(model).merge_and_unload()
         return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _all_training(model: torch.nn.Module) -> bool:
+    """Whether every module of `model` is in training mode, read from the modules' `__dict__`
+    (~8 us for the tiny Qwen2's 59 modules; `model.train()` itself takes ~100 us a step). Not the
+    root's flag alone: under peft the root trains while the model it wraps was loaded in eval mode."""
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if m is not None:
+            if not m.__dict__["training"]:
+                return False
+            stack.extend(m.__dict__["_modules"].values())
+    return True
 
 
 def build_torch_backend(
