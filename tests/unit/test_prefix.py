@@ -196,6 +196,27 @@ def test_peft_adapter_on_and_off(model, layout):
 
 def test_pad_rows():
     assert pad_rows([[1.0, 2.0], [], [3.0]], 3).tolist() == [[1, 2, 0], [0, 0, 0], [3, 0, 0]]
+    row = [-0.1, -2.3456789012345]  # float32 as torch.tensor rounds it
+    assert torch.equal(pad_rows([row, None], 2), torch.tensor([row, [0.0, 0.0]], dtype=torch.float32))
+    with pytest.raises(ValueError, match="3 values for 2 columns"):
+        pad_rows([[1.0, 2.0, 3.0]], 2)
+
+
+def test_collated_tensors_masks_and_dtypes():
+    """Every tensor of a collated batch, element by element, loss masks included (a row without
+    one counts all its tokens), and a loss mask of the wrong length refused."""
+    b = collate_prefix([(5, 17, 9), (40, 2), (5, 17, 9)], [(7, 8), (12,), ()], PAD,
+                       [(True, False), None, ()])
+    assert b.prompt_ids.dtype == torch.long and b.prompt_ids.tolist() == [[5, 17, 9], [PAD, 40, 2]]
+    assert b.prompt_mask.dtype == torch.bool and b.prompt_mask.tolist() == [[True] * 3, [False, True, True]]
+    assert b.completion_ids.tolist() == [[7, 8], [12, PAD], [PAD, PAD]]
+    assert b.completion_mask.tolist() == [[True, True], [True, False], [False, False]]
+    assert b.loss_mask is not None and b.loss_mask.dtype == torch.bool
+    assert b.loss_mask.tolist() == [[True, False], [True, False], [False, False]]
+    assert b.owner.dtype == torch.long and b.owner.tolist() == [0, 1, 0]
+    assert collate_prefix([(5,)], [(7,)], PAD, [None]).loss_mask is None
+    with pytest.raises(ValueError, match="a loss mask of 1 for 2 completion tokens"):
+        collate_prefix([(5,)], [(7, 8)], PAD, [(True,)])
 
 
 def test_pairs_share_their_prompt_and_score_like_the_full_rows(model, layout):

@@ -217,17 +217,24 @@ def _fill_rows(
         positions += [0] * pad
     shape = (len(rows), width)
     return (
-        _long_tensor(ids, shape),
-        torch.frombuffer(bytearray(map(bool, loss)), dtype=torch.bool).view(shape),
-        _long_tensor(seg, shape),
-        _long_tensor(sample_index, shape),
-        _long_tensor(positions, shape),
+        flat_tensor(ids, shape, torch.long),
+        flat_tensor(loss, shape, torch.bool),
+        flat_tensor(seg, shape, torch.long),
+        flat_tensor(sample_index, shape, torch.long),
+        flat_tensor(positions, shape, torch.long),
     )
 
 
-def _long_tensor(values: list[int], shape: tuple[int, int]) -> Tensor:
-    """int64 [B, T] over an array of `values` (the tensor keeps the array alive)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.long).view(shape)
+_ARRAY_TYPES = {torch.long: "q", torch.bool: "B", torch.float32: "f"}
+
+
+def flat_tensor(values: Sequence[int | bool | float], shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A `dtype` tensor of `shape` over one array of the flat `values` (int64, bool or float32; the
+    tensor keeps the array alive): ~2x faster than `torch.tensor` over nested lists, and far faster
+    than filling rows one `torch.tensor` at a time, for the small batches collated on every step."""
+    if not values:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(array.array(_ARRAY_TYPES[dtype], values), dtype=dtype).view(shape)
 
 
 def _count_loss_tokens(loss_mask: Tensor, seg: Tensor) -> int:

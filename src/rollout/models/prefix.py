@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rollout.data.collate import to_additive_mask
+from rollout.data.collate import flat_tensor, to_additive_mask
 from rollout.losses.logps import decoder_and_head, sequence_logps, unwrap_peft
 from rollout.models.arch import forward_cost, hidden_size, sliding_window
 from rollout.models.cpu_matmul import project
@@ -102,38 +102,53 @@ def collate_prefix(
         raise ValueError("every row needs at least one prompt token")
     lp = max(len(p) for p in unique)
     lc = max(1, max(len(c) for c in completions))
-    prompt_ids = torch.full((len(unique), lp), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(len(unique), lp, dtype=torch.bool)
-    for i, p in enumerate(unique):
-        prompt_ids[i, lp - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[i, lp - len(p) :] = True
-    completion_ids = torch.full((len(completions), lc), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros(len(completions), lc, dtype=torch.bool)
-    for i, c in enumerate(completions):
-        if c:
-            completion_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-            completion_mask[i, : len(c)] = True
+    if loss_masks is not None and len(loss_masks) != len(completions):
+        raise ValueError("collate_prefix needs one loss mask (or None) per completion")
+    # Flat lists, one buffer per tensor (`flat_tensor`): RL collates a batch on every step, and a
+    # tensor per row cost ~195 us for 16 rows against ~40 us so.
+    prompt_ids: list[int] = []
+    prompt_mask: list[bool] = []
+    for p in unique:
+        pad = lp - len(p)
+        prompt_ids += [pad_id] * pad
+        prompt_ids += p
+        prompt_mask += [False] * pad
+        prompt_mask += [True] * len(p)
+    completion_ids: list[int] = []
+    completion_mask: list[bool] = []
+    for c in completions:
+        pad = lc - len(c)
+        completion_ids += c
+        completion_ids += [pad_id] * pad
+        completion_mask += [True] * len(c)
+        completion_mask += [False] * pad
     loss_mask = None
     if loss_masks is not None and any(m is not None for m in loss_masks):
-        if len(loss_masks) != len(completions):
-            raise ValueError("collate_prefix needs one loss mask (or None) per completion")
-        loss_mask = completion_mask.clone()
+        flat: list[bool] = []
         for i, (m, c) in enumerate(zip(loss_masks, completions, strict=True)):
-            if m is not None:
-                if len(m) != len(c):
-                    raise ValueError(f"row {i}: a loss mask of {len(m)} for {len(c)} completion tokens")
-                loss_mask[i, : len(c)] = torch.tensor(list(m), dtype=torch.bool)
-    return PrefixBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                       torch.tensor(owner, dtype=torch.long), loss_mask)
+            if m is not None and len(m) != len(c):
+                raise ValueError(f"row {i}: a loss mask of {len(m)} for {len(c)} completion tokens")
+            flat += [True] * len(c) if m is None else m
+            flat += [False] * (lc - len(c))
+        loss_mask = flat_tensor(flat, (len(completions), lc), torch.bool)
+    return PrefixBatch(flat_tensor(prompt_ids, (len(unique), lp), torch.long),
+                       flat_tensor(prompt_mask, (len(unique), lp), torch.bool),
+                       flat_tensor(completion_ids, (len(completions), lc), torch.long),
+                       flat_tensor(completion_mask, (len(completions), lc), torch.bool),
+                       flat_tensor(owner, (len(completions),), torch.long), loss_mask)
 
 
 def pad_rows(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """[B, width] float32: row i holds values[i] from column 0, zeros after (completion-major)."""
-    out = torch.zeros(len(values), width, dtype=torch.float32)
-    for i, row in enumerate(values):
-        if row:
-            out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
-    return out
+    flat: list[float] = []
+    for row in values:
+        n = len(row) if row else 0  # a row without values (empty, or None): zeros
+        if n > width:
+            raise ValueError(f"pad_rows: a row of {n} values for {width} columns")
+        if n:
+            flat += row
+        flat += [0.0] * (width - n)
+    return flat_tensor(flat, (len(values), width), torch.float32)
 
 
 def prefix_outputs(
