@@ -105,7 +105,7 @@ def collate_prefix(
     if loss_masks is not None and len(loss_masks) != len(completions):
         raise ValueError("collate_prefix needs one loss mask (or None) per completion")
     # Flat lists, one buffer per tensor (`flat_tensor`): RL collates a batch on every step, and a
-    # tensor per row cost ~195 us for 16 rows against ~40 us so.
+    # tensor per row cost ~195 us for 16 rows against ~30 us so.
     prompt_ids: list[int] = []
     prompt_mask: list[bool] = []
     for p in unique:
