@@ -188,8 +188,7 @@ def _fill_rows(
         width = pad_to
     if width == 0:
         raise ValueError("cannot collate rows without tokens")
-    # Flat lists, then one buffer per tensor: ~2x faster than torch.tensor over nested lists
-    # (a padded batch of 16 short samples: 121 -> 58 us), and the collation is on every step's path.
+    # Flat lists, one buffer per tensor (`flat_tensor`): a padded batch of 16 short samples 121 -> 58 us.
     ids: list[int] = []
     loss: list[bool] = []
     seg: list[int] = []
