@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.models import cpu_matmul
-from rollout.models.arch import module_tree
+from rollout.models.arch import forward_cost, module_tree, sliding_window
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -53,8 +53,6 @@ def lean_decoder(model: Any, *, prepacked: bool = False, head: bool = True) -> L
     `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`).
     `head=False`: hidden states only (`lean_hidden_states`), so a model with another head than
     `lm_head` (a sequence classifier's `score`) runs too."""
-    from rollout.models.arch import sliding_window
-
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in ARCHITECTURES:
         return None
@@ -168,8 +166,6 @@ def _training_lean(model: Any, modules: tuple[torch.nn.Module, ...]) -> LeanDeco
     (a LoRA layer, or any module swapped in, changes them) under the same attention kernel and
     window. The memo holds the modules below the root, so no id is reused while it stands, but
     not the root, its weak key: no module of transformers' own classes refers back to its model."""
-    from rollout.models.arch import sliding_window
-
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -223,8 +219,6 @@ class LeanDecoder:
         """Whether prompts of these lengths prefill cheaper packed (`prefill_packed`) than
         left-padded to `width` (`arch.forward_cost`): P·w tokens and P·w² pairs padded, S tokens
         and S² pairs packed (S = the prompts' total length); never past `MAX_PACKED_PREFILL` pairs."""
-        from rollout.models.arch import forward_cost
-
         total, rows = sum(lengths), len(lengths)
         if rows < 2 or total * total > MAX_PACKED_PREFILL:
             return False
