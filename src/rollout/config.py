@@ -223,7 +223,8 @@ class BackendConfig(StrictModel):
     batch_invariant: bool = Field(
         False,
         description="GRPO/PPO on the in-process hf engine: sampled log-probs bitwise independent of the "
-        "requests a batch holds (cache width kept a multiple of 16, at least 4 rows a forward pass). "
+        "requests a batch holds (cache width kept a multiple of 16, each prompt prefilled on its own, "
+        "matrix products on fixed row counts). "
         'Ray rollout workers always sample this way: set it on a `kind = "local"` run to get their '
         "numbers bit for bit. Off by default for now: it shifts GRPO/PPO results by float noise.",
     )

@@ -72,6 +72,23 @@ def test_continued_fresh_and_multi_choice_rows_share_one_call(fresh_engine):
             assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) < 1e-5
 
 
+def test_batch_invariant_turns_give_a_conversation_the_same_bits_alone_and_among_others(tiny_model_dir: Path):
+    """`pad_multiple = BATCH_INVARIANT_PAD`: the second turns of four conversations of 7-22 tokens (other
+    16-token widths), continued from kept caches together or one at a time, sample the same tokens
+    and bitwise the same log-probs, as do their first turns."""
+    def turns(together: bool) -> list:
+        engine = load_hf_engine(tiny_model_dir, max_batch_size=16, model_name="tiny", pad_multiple=BATCH_INVARIANT_PAD)
+        first = [GenerationRequest(prompt_token_ids=p, params=FIRST, cache_key=f"c{i}") for i, p in enumerate(PROMPTS)]
+        out = engine.generate(first) if together else [engine.generate([r])[0] for r in first]
+        second = [GenerationRequest(prompt_token_ids=p + choices[0].token_ids + TOOL[: 1 + i % 3], params=SECOND,
+                                    cache_key=f"c{i}") for i, (p, choices) in enumerate(zip(PROMPTS, out, strict=True))]
+        out += engine.generate(second) if together else [engine.generate([r])[0] for r in second]
+        assert engine.kept_cache_stats["reused"] == 4
+        return [(c.token_ids, c.logprobs) for choices in out for c in choices]
+
+    assert turns(together=True) == turns(together=False)
+
+
 def test_greedy_multi_turn_with_kept_caches_equals_full_prefills(fresh_engine):
     """Four greedy turns: every turn continues the previous one's cache; the same tokens as re-prefilling."""
     greedy = SamplingParams(temperature=0.0, max_tokens=6)

@@ -499,3 +499,54 @@ def test_rl_rounds_too_short_to_pay_for_weight_copies_run_without_them(tiny_mode
     assert load_hf_engine(tiny_model_dir, pad_multiple=16).use_prepacked_weights(True) is False
     assert plain.use_prepacked_weights(True) is False
     assert plan_weight_copies(SimpleNamespace(engine=object()), max_completion=64) is False
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fixed_row_products_give_a_row_the_same_bits_whatever_shares_the_call(threads):
+    """`_fixed_rows_linear` (the batch-invariant decoder's products): a row's result is bitwise the
+    same alone, among few or many other rows, at any place among them, one token a row or several
+    (the two chunk sizes), for the tiny and the 48M model's shapes. `F.linear` itself is not, on
+    some CPUs (see `INVARIANT_ROWS`): what the chunks are for."""
+    from rollout.models.lean_decoder import _fixed_rows_linear
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for out_f, in_f in [(128, 128), (32, 128), (512, 128), (128, 512), (640, 640), (2560, 640)]:
+            weight = torch.randn(out_f, in_f, generator=gen) / in_f**0.5
+            bias = torch.randn(out_f, generator=gen)
+            others = torch.randn(100 * 16, in_f, generator=gen)
+            row = torch.randn(in_f, generator=gen)
+            for t in (1, 16):  # decode (one token a row), prefill
+                alone = _fixed_rows_linear(row.expand(1, t, in_f), weight, bias)[0, 0]
+                for rows, at in [(2, 1), (5, 4), (23, 11), (24, 0), (25, 24), (40, 17), (97, 96), (100, 3)]:
+                    x = others[: rows * t].reshape(rows, t, in_f).clone()
+                    x[at, 0] = row
+                    assert torch.equal(_fixed_rows_linear(x, weight, bias)[at, 0], alone), (out_f, in_f, t, rows, at)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_batch_invariant_engine_gives_a_request_the_same_log_probs_in_any_batch(tiny_model_dir, threads):
+    """`pad_multiple = BATCH_INVARIANT_PAD` (Ray rollout workers, `[backend] batch_invariant`): each
+    request's tokens *and* log-probs are bitwise the same generated alone, in small batches and all
+    together (40 rows: decode products over more than one chunk), at one and at two threads."""
+    from rollout.inference.hf_engine import BATCH_INVARIANT_PAD
+
+    prompts = ["What is 3+4?", "the model reads", "a", "Compute 12 * 7 and then add 5 to it, please.",
+               "x", "What is 2+2?", "tell me", "one two three four five six", "9-3", "hello there"]
+    requests = [GenerationRequest(p, params=SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=i))
+                for i, p in enumerate(prompts)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = load_hf_engine(tiny_model_dir, max_batch_size=64, pad_multiple=BATCH_INVARIANT_PAD, device="cpu")
+        assert engine.lean is not None and engine.lean.invariant
+        together = _completions(engine, requests)
+        apart = [c for r in requests[:3] for c in _completions(engine, [r])]
+        apart += _completions(engine, requests[3:5]) + _completions(engine, requests[5:])
+    finally:
+        torch.set_num_threads(saved)
+    assert apart == together

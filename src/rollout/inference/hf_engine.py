@@ -72,18 +72,23 @@ through the padding modulo the width of the CPU kernels' vectorised reductions o
 (16 float32 lanes with AVX-512; 8 with AVX2): padded by 0, 16, 32 or 64 columns a prompt's logits
 are bitwise equal, by 1..15 they differ in the last bits. With the cache width kept a multiple of
 16 (the prefill rounded up, dead columns trimmed in multiples, joiners merged only at a multiple),
-a row's padding is fixed modulo 16 by its own length, so its tokens *and* log-probs are the same
+a row's padding is fixed modulo 16 by its own length; the matrix products run on a fixed number of
+rows whatever the batch (`lean_decoder.INVARIANT_ROWS`), so its tokens *and* log-probs are the same
 whichever requests share the batch: a group made by a Ray rollout worker with some groups equals
-the group made locally with all of them (`rollout.rl.ray_rollout`)."""
+the group made locally with all of them (`rollout.rl.ray_rollout`). That holds where the lean
+decoder runs (llama, mistral, qwen2, qwen3); other models get `BATCH_INVARIANT_ROWS`."""
 
 PREPACKED_MAX_BYTES = 1 << 30
 """The largest weights (bytes) the CPU engine keeps prepacked copies of (`LeanDecoder`): the copies
 double the weights' memory (benchmarks/README.md has what they gain)."""
 
-BATCH_INVARIANT_ROWS = 4
-"""With `pad_multiple > 1`, the fewest rows a forward pass runs with (copies of a row fill it up):
-the CPU matrix products take one kernel path for 1 row, another for 2-3 and a third from 4 rows
-on (measured: a row's result is bitwise the same for every row count >= 4, not for 1 or 2)."""
+BATCH_INVARIANT_ROWS = 16
+"""With `pad_multiple > 1`, for a model the lean decoder does not run (its products are
+transformers'), the fewest rows a forward pass runs with (copies of a row fill it up): the CPU
+matrix products choose their kernel path by the row count. A best effort, not a guarantee: one
+thread, a row's product was bitwise the same for every count from 4 on an AMD EPYC with AVX-512
+and from 16 on an Intel Xeon with AVX-512 (up to 300 rows measured), but MKL's AVX2 kernels take
+one path for 4-48 rows and another from 64, and a prefill's count is rows x width."""
 
 
 def load_hf_engine(
@@ -153,11 +158,10 @@ class HFEngine:
         on_cpu = next(model.parameters()).device.type == "cpu"
         small = sum(p.numel() * p.element_size() for p in model.parameters()) <= PREPACKED_MAX_BYTES
         self._prepack = on_cpu and small and pad_multiple == 1
-        self.lean = lean_decoder(model, prepacked=self._prepack) if lean else None
+        self.lean = lean_decoder(model, prepacked=self._prepack, invariant=pad_multiple > 1) if lean else None
         """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
-        on the CPU, for weights up to `PREPACKED_MAX_BYTES`, with prepacked weight copies (not
-        under `pad_multiple`: the batch-invariance measurements were made with the weights as
-        they are)."""
+        on the CPU, for weights up to `PREPACKED_MAX_BYTES`, with prepacked weight copies; under
+        `pad_multiple`, every product on a fixed number of rows instead (`INVARIANT_ROWS`)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_size = max_batch_size
@@ -418,11 +422,27 @@ class HFSession:
         rows = [row for p in prepared for row in self._make_rows(p)]
         kept = self._take_kept(rows)
         fresh = [row for row, entry in zip(rows, kept, strict=True) if entry is None]
-        if fresh:
-            self._join(fresh, *self._prefill(fresh))
+        for group in self._prefill_groups(fresh):
+            self._join(group, *self._prefill(group))
         continuing = [(row, entry) for row, entry in zip(rows, kept, strict=True) if entry is not None]
-        if continuing:
-            self._join([row for row, _ in continuing], *self._prefill_kept(continuing))
+        # with `pad_multiple > 1` each row's new tokens on their own, as each prompt (`_prefill_groups`)
+        together = [continuing] if self.engine.pad_multiple == 1 else [[pair] for pair in continuing]
+        for pairs in filter(None, together):
+            self._join([row for row, _ in pairs], *self._prefill_kept(pairs))
+
+    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
+        """The rows prefilled together: all of them; with `pad_multiple > 1` those of each prompt,
+        so that a prefill's shapes -- and with them the paths the CPU kernels take inside its
+        attention, whose products some CPUs (MKL's AVX2 kernels) sum in another order for another
+        width -- depend on the prompt alone."""
+        if not rows:
+            return []
+        if self.engine.pad_multiple == 1:
+            return [rows]
+        by_prompt: dict[tuple[int, ...], list[_Row]] = {}
+        for row in rows:
+            by_prompt.setdefault(row.job.prompt_ids, []).append(row)
+        return list(by_prompt.values())
 
     def _prefill(self, rows: list[_Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Cache, mask and last logits of the rows' whole prompts, left-padded to a common width.
@@ -585,15 +605,16 @@ class HFSession:
     ) -> tuple[Any, torch.Tensor]:
         """Logits (rows, vocab) of the last position, float32; the updated cache.
 
-        With `pad_multiple > 1`, a pass over fewer than `BATCH_INVARIANT_ROWS` rows runs with copies
-        of the first row added (and dropped from the cache and logits after), so that every matrix
-        product takes the same kernel path whatever the batch size."""
+        With `pad_multiple > 1` and no lean decoder (whose products run on fixed row counts), a
+        pass over fewer than `BATCH_INVARIANT_ROWS` rows runs with copies of the first row added
+        (and dropped from the cache and logits after)."""
         from transformers import DynamicCache
 
         if cache is None:
             cache = DynamicCache(config=self.engine.model.config)
         rows = ids.shape[0]
-        extra = max(0, BATCH_INVARIANT_ROWS - rows) if self.engine.pad_multiple > 1 else 0
+        invariant_rows = self.engine.pad_multiple > 1 and self.engine.lean is None
+        extra = max(0, BATCH_INVARIANT_ROWS - rows) if invariant_rows else 0
         with self.engine._lock, torch.inference_mode():
             if extra:
                 index = torch.cat([torch.arange(rows), torch.zeros(extra, dtype=torch.long)]).to(ids.device)

@@ -48,9 +48,13 @@ MAX_PACKED_PREFILL = 1 << 24
 """Most (query, key) pairs of a packed prefill (its bool mask: 16 MiB)."""
 
 
-def lean_decoder(model: Any, *, prepacked: bool = False, head: bool = True) -> LeanDecoder | None:
+def lean_decoder(
+    model: Any, *, prepacked: bool = False, head: bool = True, invariant: bool = False
+) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
     `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`).
+    `invariant`: every product on a fixed number of rows (`INVARIANT_ROWS`), so a row's results do
+    not depend on how many rows share the pass.
     `head=False`: hidden states only (`lean_hidden_states`), so a model with another head than
     `lm_head` (a sequence classifier's `score`) runs too."""
     config = getattr(model, "config", None)
@@ -77,7 +81,7 @@ def lean_decoder(model: Any, *, prepacked: bool = False, head: bool = True) -> L
             return None
     if not _is_rms_norm(getattr(inner, "norm", None)) or getattr(inner, "rotary_emb", None) is None:
         return None
-    return LeanDecoder(model, prepacked=prepacked)
+    return LeanDecoder(model, prepacked=prepacked, invariant=invariant)
 
 
 def lean_hidden_states(
@@ -192,12 +196,18 @@ class LeanDecoder:
     join the blocked layout (48M model, 16 rows, one thread: a decode step ~37 -> ~35 ms). The copies double the weights' memory and are only right while the
     weights are unchanged: `refresh()` drops them after every weight change (the engine calls it
     from `update_weights` and `share_parameters`, which a trainer sharing its parameters calls
-    after each optimizer step). `set_prepacked` turns them on or off (`PREPACK_MIN_TOKENS`)."""
+    after each optimizer step). `set_prepacked` turns them on or off (`PREPACK_MIN_TOKENS`).
 
-    def __init__(self, model: Any, *, prepacked: bool = False) -> None:
+    With `invariant`, every product runs on exactly `INVARIANT_ROWS` rows of activations (no
+    prepacked copies): what the batch-invariant engine (`hf_engine.BATCH_INVARIANT_PAD`) needs."""
+
+    def __init__(self, model: Any, *, prepacked: bool = False, invariant: bool = False) -> None:
+        if prepacked and invariant:
+            raise ValueError("a batch-invariant lean decoder multiplies by the weights as they are (no prepacked copies)")
         config = model.config
         self.model = model
         self.prepacked = prepacked
+        self.invariant = invariant
         self._prepacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -267,6 +277,8 @@ class LeanDecoder:
         self._prepacked.clear()
 
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return _fixed_rows_linear(x, layer.weight, layer.bias)
         if not self.prepacked:
             return cpu_matmul.linear(x, layer.weight, layer.bias)
         return self._packed_product((layer,), x)
@@ -274,6 +286,8 @@ class LeanDecoder:
     def _linears(self, layers: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's product with `x`. Prepacked, one product with the layers' weights stacked
         (q/k/v, gate/up: one copy made once, fewer and wider products), split into views."""
+        if self.invariant:
+            return tuple(_fixed_rows_linear(x, layer.weight, layer.bias) for layer in layers)
         if not self.prepacked:
             return tuple(cpu_matmul.linear(x, layer.weight, layer.bias) for layer in layers)
         return self._packed_product(layers, x).split([layer.out_features for layer in layers], dim=-1)
@@ -380,6 +394,24 @@ def _views_of(keys: torch.Tensor, values: torch.Tensor, buffers: tuple[torch.Ten
     )
 
 
+INVARIANT_ROWS = (24, 96)
+"""Activation rows per product of a batch-invariant `LeanDecoder`: a pass of one token a row (a
+decode step, the logits), a pass of several (a prefill). CPU BLAS kernels choose their path, and so
+the order they add in, by the row count: one thread, float32, a row's product was bitwise the same
+for every count >= 4 on an AMD EPYC with AVX-512, but on an Intel Xeon with AVX-512 one path ran 2-5
+or 2-15 rows (by the inner size) and another from 6 or 16, and with MKL's AVX2 kernels 4-48 rows
+and from 64 others. A fixed count per call (the rows cut into chunks, the last filled with zeros)
+gives one path. The count matters too: MKL's AVX2 kernels multiply rows in blocks of 6 and the last
+2 rows of 8, 32 or 128 in another way, at two threads the last of each thread's share (16 and 64
+rows split in two), while multiples of 12 -- 12, 24, 48, 96 -- kept every row on one path at one
+and two threads; AVX-512 showed no such place (`tests/inference/test_lean_decoder.py` checks it).
+The cost is the chunking, which Ray rollout workers and `[backend] batch_invariant` runs pay for
+the guarantee: the 48M model's shapes (Intel Xeon, one thread, beside other work), a decode step's
+products at 16 rows 1.1-1.6x the time of one `F.linear`, at 40 rows (two chunks) 1.6-2.3x, a
+prefill of 16 x 64 tokens 1.2-1.6x. (MKL's strict reproducibility mode, `MKL_CBWR=AUTO,STRICT`,
+makes its products row-count invariant for ~0-15% instead, but only if set before the process's
+first product, and for every product of the process, the learner's too.)"""
+
 PREPACK_MIN_TOKENS = 16
 """The fewest tokens per completion an RL trainer's rounds may run to for the engine to keep its
 prepacked copies (`HFEngine.use_prepacked_weights`, `rl_common.plan_weight_copies`): the trainer
@@ -425,6 +457,19 @@ def _pack_stacked(layers: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, to
             for layer in layers
         ])
     return prepack_weight(weight), bias
+
+
+def _fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed `INVARIANT_ROWS` rows at a time (the last chunk filled
+    with zeros), so each row's result is the same whatever rows it shares the call with."""
+    rows = INVARIANT_ROWS[0] if x.dim() == 2 or x.shape[-2] == 1 else INVARIANT_ROWS[1]
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n % rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - n % rows, flat.shape[1])])
+    chunks = [F.linear(chunk, weight, bias) for chunk in flat.split(rows)]
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    return out[:n].view(*x.shape[:-1], out.shape[-1])
 
 
 def _onednn_linear() -> bool:
