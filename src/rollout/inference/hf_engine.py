@@ -36,7 +36,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
@@ -422,27 +422,25 @@ class HFSession:
         rows = [row for p in prepared for row in self._make_rows(p)]
         kept = self._take_kept(rows)
         fresh = [row for row, entry in zip(rows, kept, strict=True) if entry is None]
-        for group in self._prefill_groups(fresh):
+        for group in self._prefill_groups(fresh, key=lambda row: row.job.prompt_ids):
             self._join(group, *self._prefill(group))
         continuing = [(row, entry) for row, entry in zip(rows, kept, strict=True) if entry is not None]
-        # with `pad_multiple > 1` each row's new tokens on their own, as each prompt (`_prefill_groups`)
-        together = [continuing] if self.engine.pad_multiple == 1 else [[pair] for pair in continuing]
-        for pairs in filter(None, together):
+        for pairs in self._prefill_groups(continuing, key=id):  # batch-invariant: each row's new tokens alone
             self._join([row for row, _ in pairs], *self._prefill_kept(pairs))
 
-    def _prefill_groups(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The rows prefilled together: all of them; with `pad_multiple > 1` those of each prompt,
-        so that a prefill's shapes -- and with them the paths the CPU kernels take inside its
-        attention, whose products some CPUs (MKL's AVX2 kernels) sum in another order for another
-        width -- depend on the prompt alone."""
-        if not rows:
+    def _prefill_groups(self, items: list[Any], *, key: Callable[[Any], Any]) -> list[list[Any]]:
+        """The items prefilled together: all of them; with `pad_multiple > 1` those of each `key`
+        (a prompt, or a continued row alone), so that a prefill's shapes -- and with them the paths
+        the CPU kernels take inside its attention, whose products some CPUs (MKL's AVX2 kernels) sum
+        in another order for another width -- depend on that prompt or row alone."""
+        if not items:
             return []
         if self.engine.pad_multiple == 1:
-            return [rows]
-        by_prompt: dict[tuple[int, ...], list[_Row]] = {}
-        for row in rows:
-            by_prompt.setdefault(row.job.prompt_ids, []).append(row)
-        return list(by_prompt.values())
+            return [items]
+        groups: dict[Any, list[Any]] = {}
+        for item in items:
+            groups.setdefault(key(item), []).append(item)
+        return list(groups.values())
 
     def _prefill(self, rows: list[_Row]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Cache, mask and last logits of the rows' whole prompts, left-padded to a common width.
