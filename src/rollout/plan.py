@@ -51,7 +51,7 @@ from rollout.algorithms.registry import ALGORITHMS, BUILTIN_ALGORITHMS
 from rollout.config import RunConfig, load_config
 from rollout.config_base import located_error
 from rollout.data.jsonl import DataReport, Row
-from rollout.data.sources import check_dataset_exists, read_dataset
+from rollout.data.sources import read_dataset
 from rollout.errors import ConfigError, DataError, RolloutError
 from rollout.plan_lock import (
     LOCK_VERSION,
@@ -154,20 +154,23 @@ class Plan:
         }
 
 
-def make_plan(config_path: Path, *, config: RunConfig | None = None, produced: Sequence[Path] = ()) -> Plan:
+def make_plan(
+    config_path: Path, *, config: RunConfig | None = None, produced: Sequence[Path] = (), pin: bool = True
+) -> Plan:
     """Every plan-time check of the run config at `config_path` (module docstring).
 
     A pipeline stage (`rollout.pipeline`) passes its `config` already loaded, with stand-ins for
     the models earlier stages will produce, and those stand-ins' folders as `produced`: their
-    files are checked but not pinned."""
-    from rollout.cli.config_cmds import check_eval, check_model_path, check_runtime
+    files are checked but not pinned. `pin=False` (`rollout train`, which writes no lock) skips
+    step 5's digests: the plan's `files` is empty."""
+    from rollout.cli.config_cmds import check_dataset_files, check_eval, check_model_path, check_runtime
 
     config_path = Path(config_path)
     cfg = config if config is not None else load_config(config_path)
     check_runtime(cfg, source=config_path)
     s = cfg.algorithm.settings
     spec = ALGORITHMS[cfg.algorithm.kind]
-    check_dataset_exists(s.dataset)
+    check_dataset_files(cfg, source=config_path)
     rows, report = read_dataset(s.dataset, spec.data_kind)
     if not rows:
         raise DataError(f"{report.label}: no valid lines")
@@ -189,7 +192,9 @@ def make_plan(config_path: Path, *, config: RunConfig | None = None, produced: S
         _check_enough_samples(cfg, lengths, config_path)
         memory = estimate_memory(build_workload(cfg, shape, lengths), device=device.kind)
         warnings += check_memory(cfg, memory, device, config_path)
-    files = digest_files(pin for pin in files_to_pin(cfg, config_path=config_path) if not is_under(pin[0], produced))
+    files = digest_files(
+        f for f in files_to_pin(cfg, config_path=config_path) if not is_under(f[0], produced)
+    ) if pin else []
     return Plan(config_path, cfg, report, lengths, tuple(plugins), shape, memory, device, tuple(files),
                 package_versions(), tuple(warnings))
 

@@ -1,8 +1,18 @@
-"""The training progress display: a rich progress bar on a TTY, plain lines on stderr otherwise.
+"""Progress and verbosity: a rich progress bar on a TTY, plain lines on stderr otherwise, both
+shown at log level `info` or more verbose (SPEC section 2).
 
     with TrainProgress("sft", total_steps, start=loop.step) as progress:
         ...
         progress.update(step, {"loss": 0.42, "tok/s": 5120})
+
+    rollout --log-level warning train sft -c run.toml     # no progress: warnings and errors only
+    ROLLOUT_LOG=debug rollout eval --config eval.toml      # progress, and rollout's debug records
+
+The level, least to most verbose: `error`, `warning`, `info` (the default), `debug`. The CLI's
+`--log-level` (or `ROLLOUT_LOG`) goes through `set_log_level`, which also sets `ROLLOUT_LOG` for
+the process, so what it starts (torchrun ranks, sidecars, the local Ray cluster's workers)
+prints as much; rollout's `logging` records (logger "rollout" and its children) go to stderr from
+that level up. Library callers get the default unless they set `ROLLOUT_LOG` themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +23,44 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rollout.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_ENV = "ROLLOUT_LOG"
+
+
+def log_level() -> str:
+    """The level in force: `ROLLOUT_LOG` when it names one (`set_log_level` checked it), else `info`."""
+    value = os.environ.get(LOG_ENV, "").strip().lower()
+    return value if value in LOG_LEVELS else "info"
+
+
+def shows_progress() -> bool:
+    """Whether long operations show their progress (bars, plain lines): at `info` and `debug`."""
+    return LOG_LEVELS.index(log_level()) <= LOG_LEVELS.index("info")
+
+
+def set_log_level(value: str | None) -> None:
+    """Apply `--log-level VALUE`, or `ROLLOUT_LOG` when VALUE is None (nothing set: `info`).
+    A name outside `LOG_LEVELS` is a ConfigError (exit 2) naming where it came from."""
+    import logging
+
+    where = "--log-level"
+    if value is None:
+        where, value = LOG_ENV, os.environ.get(LOG_ENV, "info")
+    name = value.strip().lower()
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"{where}: {value!r} is not a log level (use {', '.join(LOG_LEVELS)})")
+    os.environ[LOG_ENV] = name
+    logger = logging.getLogger("rollout")
+    logger.setLevel(name.upper())
+    if not any(getattr(h, "rollout_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.rollout_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False  # printed once, here, not again by a handler on the root logger
+
 
 class TrainProgress:
     """A rich progress bar on a TTY; plain `key=value` lines on stderr otherwise."""
@@ -20,7 +68,8 @@ class TrainProgress:
     def __init__(self, description: str, total: int, *, start: int = 0) -> None:
         self.total, self.start = total, start
         self.tty = sys.stderr.isatty()
-        self.quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 shows the progress
+        # under torchrun rank 0 shows the progress; nobody does above log level `info`
+        self.quiet = os.environ.get("RANK", "0") != "0" or not shows_progress()
         self.every = max(1, total // 20)
         self._bar: Any = None
         self._t0 = time.perf_counter()

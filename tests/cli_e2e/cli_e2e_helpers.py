@@ -30,13 +30,14 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(
-    *args: str | Path, cwd: Path | None = None, timeout: float = 180
+    *args: str | Path, cwd: Path | None = None, timeout: float = 180, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`rollout ARGS...` as a subprocess; stdout and stderr captured as text."""
+    """`rollout ARGS...` as a subprocess (`env`: variables added to `cli_env()`); stdout and stderr
+    captured as text."""
     return subprocess.run(
         [str(ROLLOUT), *map(str, args)],
         cwd=cwd,
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

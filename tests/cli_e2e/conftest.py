@@ -79,9 +79,9 @@ def write_config(tiny_model: Path, arith_data: dict[str, Path]) -> WriteConfig:
 
 
 def _start_training(
-    kind: str, root: Path, write_config: WriteConfig, overrides: Mapping[str, Any]
+    kind: str, root: Path, write_config: WriteConfig, overrides: Mapping[str, Any], flags: tuple[str, ...] = ()
 ) -> tuple[Path, subprocess.Popen[bytes]]:
-    """Start `rollout train KIND` on a fresh store under `root` (output goes to files there)."""
+    """Start `rollout [FLAGS] train KIND` on a fresh store under `root` (output goes to files there)."""
     export_dir = root / "exported"
     config = write_config(
         root / f"{kind}.toml",
@@ -90,7 +90,7 @@ def _start_training(
     )
     with (root / "stdout.txt").open("wb") as out, (root / "stderr.txt").open("wb") as err:
         process = subprocess.Popen(
-            [str(ROLLOUT), "train", kind, "--config", str(config)], stdout=out, stderr=err, env=cli_env()
+            [str(ROLLOUT), *flags, "train", kind, "--config", str(config)], stdout=out, stderr=err, env=cli_env()
         )
     return config, process
 
@@ -124,7 +124,8 @@ def trained_runs(
     """Two short runs, trained side by side (each is mostly import time, one core each).
 
     sft: 4 steps with snapshots at steps 2 and 4; rm: 2 steps with a snapshot
-    every step. Both have an `[export]` block. Tests that change a run's store
+    every step, started as `rollout --log-level warning train rm` (no progress lines). Both have an
+    `[export]` block. Tests that change a run's store
     (prune, corrupt a blob) must work on a copy or keep to changes the others
     don't see (`snapshot prune --keep-last 1` keeps the final snapshot).
     """
@@ -132,8 +133,9 @@ def trained_runs(
         "sft": {"budget": {"max_steps": 4}, "snapshot": {"every_steps": 2, "keep_last": 3}},
         "rm": {"budget": {"max_steps": 2}, "snapshot": {"every_steps": 1, "keep_last": 3}},
     }
+    flags = {"sft": (), "rm": ("--log-level", "warning")}
     started = {
-        kind: _start_training(kind, tmp_path_factory.mktemp(f"{kind}_run"), write_config, overrides)
+        kind: _start_training(kind, tmp_path_factory.mktemp(f"{kind}_run"), write_config, overrides, flags[kind])
         for kind, overrides in plans.items()
     }
     return {kind: _finish_training(*job) for kind, job in started.items()}

@@ -19,6 +19,7 @@ from cli_e2e_helpers import (
     list_runs,
     run_cli,
     run_cli_side_by_side,
+    run_python,
 )
 
 CHECKS = {  # the commands that must find config and dataset errors before any training
@@ -126,6 +127,42 @@ def test_unimplemented_backend_kind_is_refused_before_training(command, tmp_path
     assert_no_runs(tmp_path / "store" / "rollout.db")
 
 
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_unknown_log_level(how, tmp_path, write_config):
+    config = write_config(tmp_path / "run.toml")
+    if how == "flag":
+        result = run_cli("--log-level", "loud", "validate", "--config", config)
+        expected = "--log-level: 'loud' is not a log level (use debug, info, warning, error)"
+    else:
+        result = run_cli("validate", "--config", config, env={"ROLLOUT_LOG": "Loud"})
+        expected = "ROLLOUT_LOG: 'Loud' is not a log level (use debug, info, warning, error)"
+    assert_user_error(result, expected, exact=True)
+    assert_ok(run_cli("validate", "--config", config, env={"ROLLOUT_LOG": "WARNING"}))  # any case
+
+
+def test_a_bug_says_so_on_the_first_line_and_the_traceback_follows():
+    """An exception that is not a user error (a bug): exit 1, the first stderr line says it is a
+    bug, what failed and where to report it; the traceback comes after."""
+    code = (
+        "import sys\n"
+        "import rollout.cli.config_cmds as commands\n"
+        "def validate() -> None:\n"
+        "    raise RuntimeError('the widget broke\\nat the second line')\n"
+        "commands.validate = validate\n"
+        "from rollout.cli.main import main\n"
+        "sys.exit(main(['validate']))\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(
+        "error: this is a bug in rollout (RuntimeError: the widget broke); please report it with the"
+        " traceback below (rollout "
+    ), result.stderr
+    assert lines[1] == "Traceback (most recent call last):", result.stderr
+    assert lines[-2:] == ["RuntimeError: the widget broke", "at the second line"], result.stderr
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -133,7 +170,9 @@ def test_unimplemented_backend_kind_is_refused_before_training(command, tmp_path
 def test_missing_dataset(command, tmp_path, write_config):
     missing = tmp_path / "data" / "missing.jsonl"
     config = write_config(tmp_path / "run.toml", dataset=missing)
-    assert_user_error(run_cli(*command, "--config", config), f"dataset not found: {missing}", exact=True)
+    line = line_of(config, f'path = "{missing}"')
+    expected = f"{config}:{line}: algorithm.sft.dataset.path: dataset not found: {missing}"
+    assert_user_error(run_cli(*command, "--config", config), expected, exact=True)
     assert_no_runs(tmp_path / "store" / "rollout.db")
 
 

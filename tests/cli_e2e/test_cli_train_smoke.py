@@ -40,6 +40,15 @@ def tail_events(run: TrainedRun) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
+def test_progress_lines_follow_the_log_level(sft_run, rm_run):
+    """Not a TTY: plain `step=N/T` lines on stderr at the default level (info), none at `warning`
+    (the rm run was started as `rollout --log-level warning train rm`); stdout is the same either way."""
+    steps = [line for line in sft_run.stderr.splitlines() if line.startswith("step=")]
+    assert [line.split()[0] for line in steps] == ["step=1/4", "step=2/4", "step=3/4", "step=4/4"], sft_run.stderr
+    assert "step=" not in rm_run.stderr, rm_run.stderr
+    assert rm_run.stdout.startswith("run "), rm_run.stdout
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, sft_run, rm_run) -> dict[str, Path]:
     """`rollout snapshot export FINAL OUT` of both runs, side by side; {kind: OUT}."""

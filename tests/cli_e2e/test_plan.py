@@ -384,7 +384,8 @@ def test_a_pipeline_plans_every_stage_and_resumes_the_failed_one(
 
 def test_an_oversized_batch_is_refused_at_plan_time_without_allocating(tmp_path: Path, write_config) -> None:
     """Rows of 1024 tokens, a micro-batch sized to need ~3x this machine's RAM: refused, exit 2,
-    while the plan process itself stays small."""
+    while the plan process itself stays small; `rollout train` (plan + run) refuses it the same
+    way before any run starts."""
     from rollout.plan_memory import host_memory
 
     total, _ = host_memory()
@@ -405,6 +406,8 @@ def test_an_oversized_batch_is_refused_at_plan_time_without_allocating(tmp_path:
     assert estimate > total
     assert peak < 2 * 2**30, f"plan itself used {peak / 2**20:.0f} MiB"
     assert not (tmp_path / "plan.lock").exists()
+    assert assert_user_error(run_cli("train", "sft", "--config", config), "") == line
+    assert not (tmp_path / "store" / "rollout.db").exists()  # no run was started
 
 
 def test_parameter_count_comes_from_the_safetensors_headers(tiny_model: Path) -> None:

@@ -105,10 +105,13 @@ def test_cli_validate_locates_a_bad_parquet_row_and_a_missing_file(tiny_model, t
 
     missing = tmp_path / "nope.parquet"
     config = write_config(tmp_path, "sft", tiny_model, hf(missing))
+    line = next(n for n, text in enumerate(config.read_text().splitlines(), 1) if text.startswith("dataset = "))
     for command in (("validate",), ("train", "sft", "--dry-run")):
         out = run_cli(*command, "--config", config, env=env)
         assert out.returncode == 2, out.stderr
-        assert out.stderr.splitlines() == [f"error: dataset not found: {missing}"]
+        assert out.stderr.splitlines() == [
+            f"error: {config}:{line}: algorithm.sft.dataset.path: dataset not found: {missing}"
+        ]
 
 
 def test_saved_dataset_folder_and_its_splits(tmp_path):

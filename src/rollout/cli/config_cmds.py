@@ -19,13 +19,28 @@ if TYPE_CHECKING:
     from rollout.config import RunConfig
 
 
-def check_dataset(cfg: RunConfig, *, scan_lines: bool) -> str:
-    """The dataset exists (and, with scan_lines, every line has the algorithm's shape)."""
-    from rollout.algorithms.registry import ALGORITHMS
-    from rollout.data.sources import check_dataset_exists, dataset_label, scan_dataset_source
+def check_dataset_files(cfg: RunConfig, *, source: Path) -> None:
+    """Every file or folder the dataset block names exists; a missing one is located in the config
+    (`run.toml:12: algorithm.sft.dataset.path: dataset not found: /data/sft.jsonl`)."""
+    from rollout.config_base import located_error
+    from rollout.data.sources import check_dataset_exists
+    from rollout.errors import DataError
 
     ds = cfg.algorithm.settings.dataset
-    check_dataset_exists(ds)
+    try:
+        check_dataset_exists(ds)
+    except DataError as err:
+        key = "sources" if ds.kind == "mixture" else "path"
+        raise located_error(source, ["algorithm", cfg.algorithm.kind, "dataset", key], str(err)) from None
+
+
+def check_dataset(cfg: RunConfig, *, scan_lines: bool, source: Path) -> str:
+    """The dataset exists (and, with scan_lines, every line has the algorithm's shape)."""
+    from rollout.algorithms.registry import ALGORITHMS
+    from rollout.data.sources import dataset_label, scan_dataset_source
+
+    ds = cfg.algorithm.settings.dataset
+    check_dataset_files(cfg, source=source)
     if not scan_lines:
         return f"dataset={dataset_label(ds)}"
     report = scan_dataset_source(ds, ALGORITHMS[cfg.algorithm.kind].data_kind)
@@ -107,7 +122,7 @@ def validate(
 
     cfg = load_config(config)
     check_runtime(cfg, source=config)
-    data = check_dataset(cfg, scan_lines=not no_data)
+    data = check_dataset(cfg, scan_lines=not no_data, source=config)
     check_plugins(cfg)
     if not no_data:
         data += check_eval(cfg, source=config)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from rollout.cli.snapshot import RUN_ID_CHARS, format_age, format_time, key_value_table, new_table, plain
+from rollout.progress import shows_progress
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -37,7 +38,8 @@ class EvalProgress:
         self._next = already + self._every
         self._lock = threading.Lock()
         self._bar: Any = None
-        if sys.stderr.isatty() and already < total:
+        self._shown = shows_progress()
+        if self._shown and sys.stderr.isatty() and already < total:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -55,7 +57,7 @@ class EvalProgress:
             rate = self.tokens / max(time.perf_counter() - self._t0, 1e-9)
             if self._bar is not None:
                 self._bar.update(self._task, completed=self.done, info=f"{rate:.0f} tok/s")
-            elif self.done >= self._next or self.done == self.total:
+            elif self._shown and (self.done >= self._next or self.done == self.total):
                 self._next = self.done + self._every
                 typer.echo(f"samples={self.done}/{self.total} tokens_per_s={rate:.1f}", err=True)
 

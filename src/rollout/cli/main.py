@@ -106,9 +106,17 @@ class _RolloutGroup(TyperGroup):
         self._commands.update(typer.main.get_group(made).commands)
 
 
-def _no_options() -> None:
-    """The top-level group has no options of its own (typer makes a group only for an app that has
-    a callback or commands; the commands are `_RolloutGroup`'s)."""
+def _root(
+    log_level: str | None = typer.Option(
+        None, "--log-level", metavar="LEVEL",
+        help="debug, info (default), warning or error: at warning and error no progress bars or lines,"
+        " only warnings and errors. Default: the ROLLOUT_LOG environment variable, else info.",
+    ),
+) -> None:
+    """Options for every command (before its name: `rollout --log-level warning train sft ...`)."""
+    from rollout.progress import set_log_level
+
+    set_log_level(log_level)
 
 
 app = typer.Typer(
@@ -118,7 +126,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     cls=_RolloutGroup,
-    callback=_no_options,
+    callback=_root,
 )
 
 
@@ -263,6 +271,19 @@ def report_error(err: RolloutError) -> None:
         print(f"  {line}", file=sys.stderr)
 
 
+def report_bug(ex: BaseException) -> None:
+    """An unexpected exception: one line saying so first (what failed, where to report it), the
+    traceback after it (SPEC section 2)."""
+    what = str(ex).strip().splitlines()
+    print(
+        f"error: this is a bug in rollout ({type(ex).__name__}{': ' + what[0] if what else ''});"
+        f" please report it with the traceback below (rollout {_version()}, python {sys.version.split()[0]},"
+        f" pid {os.getpid()})",
+        file=sys.stderr,
+    )
+    traceback.print_exception(ex, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers/hub draw their own tqdm bars on stderr (weights loading, shard
     # writing); they would push a later error off stderr's first line. We draw our own.
@@ -284,13 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception:
-        traceback.print_exc()
-        print(
-            "error: this is a bug in rollout, please report it with the traceback above"
-            f" (rollout {_version()}, python {sys.version.split()[0]}, pid {os.getpid()})",
-            file=sys.stderr,
-        )
+    except Exception as ex:
+        report_bug(ex)
         sys.exit(1)
     return 0
 

@@ -29,14 +29,13 @@ DRY_RUN = typer.Option(False, "--dry-run", help="Check config, algorithm kind an
 
 
 def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
-    from rollout.cli.config_cmds import (
-        check_dataset,
-        check_eval,
-        check_model_path,
-        check_plugins,
-        check_runtime,
-    )
+    """`--dry-run`: the config and the dataset's files. Otherwise every check `rollout plan` makes
+    (`make_plan`, without the lock's file digests: each line tokenised, plugins and sidecars,
+    the memory estimate against the device; its warnings printed), then the run. Under torchrun
+    the launching process plans and the ranks, which it starts with the same arguments, do not."""
+    from rollout.cli.config_cmds import check_dataset, check_runtime
     from rollout.config import load_config
+    from rollout.distributed import under_launcher
 
     cfg = load_config(config)
     if cfg.algorithm.kind != kind:
@@ -46,14 +45,14 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     s = cfg.algorithm.settings
     check_runtime(cfg, source=config)
     if dry_run:
-        data = check_dataset(cfg, scan_lines=False)
+        data = check_dataset(cfg, scan_lines=False, source=config)
         typer.echo(f"dry-run OK: algorithm={kind} model={s.base_model.uri} minibatch={s.minibatch_size} {data}")
         return
-    check_dataset(cfg, scan_lines=True)
-    check_model_path(cfg)
-    check_plugins(cfg)
-    check_eval(cfg, source=config)
-    from rollout.distributed import under_launcher
+    if not under_launcher():
+        from rollout.plan import make_plan
+
+        for warning in make_plan(config, config=cfg, pin=False).warnings:
+            typer.echo(f"warning: {warning}", err=True)
 
     if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
         from rollout.launch import launch_torchrun

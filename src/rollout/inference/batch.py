@@ -48,6 +48,7 @@ from rollout.inference.types import (
     SamplingParams,
     derive_seed,
 )
+from rollout.progress import shows_progress
 
 OUTPUT_FIELDS = (
     "id",
@@ -260,7 +261,8 @@ class _Progress:
         self._next_report = already + self._every
         self._bar: Any = None
         self._lock = threading.Lock()
-        if sys.stderr.isatty():
+        self._shown = shows_progress()
+        if self._shown and sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
@@ -272,7 +274,7 @@ class _Progress:
             )
             self._bar.start()
             self._task = self._bar.add_task("infer", total=total, completed=already, info="")
-        elif already:
+        elif self._shown and already:
             print(f"resuming: {already}/{total} samples already in the output", file=sys.stderr, flush=True)
 
     def advance(self, samples: int, tokens: int) -> None:
@@ -282,7 +284,7 @@ class _Progress:
             rate = self.tokens / max(time.perf_counter() - self._t0, 1e-9)
             if self._bar is not None:
                 self._bar.update(self._task, completed=self.done, info=f"{rate:.0f} tok/s")
-            elif self.done >= self._next_report or self.done == self.total:
+            elif self._shown and (self.done >= self._next_report or self.done == self.total):
                 self._next_report = self.done + self._every
                 print(
                     f"samples={self.done}/{self.total} tokens_per_s={rate:.1f}", file=sys.stderr, flush=True
