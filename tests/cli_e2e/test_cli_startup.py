@@ -120,13 +120,13 @@ def test_validate_imports_the_config_models_but_no_store_or_ml_library(tmp_path,
 
 
 def test_validate_of_an_rl_config_imports_no_ml_library(tmp_path, arith_data):
-    """RL configs resolve their reward functions and env (asyncio comes with the RL harness)."""
+    """RL configs: reward and env names are checked against the built-ins and the plugins'
+    metadata while parsing; no reward function or env is imported (that is `plan`'s)."""
     config = example_config("grpo-tiny.toml", tmp_path, arith_data)
     [call], modules = run_main(["validate", "--config", str(config)])
     assert call["code"] == 0, call
     assert call["stdout"].startswith("config OK: algorithm=grpo "), call["stdout"]
-    assert "rollout.rl.rewards" in modules
-    assert loaded(modules, (*HEAVY, "rollout.store")) == []
+    assert loaded(modules, (*HEAVY, "rollout.store", "rollout.rl.rewards", "rollout.rl.envs")) == []
 
 
 def test_dry_run_imports_only_its_own_cli_modules(tmp_path, arith_data):

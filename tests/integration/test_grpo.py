@@ -176,7 +176,6 @@ def test_failing_reward_function_drops_samples_and_the_run_goes_on(workspace, tm
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("name", "no_such_reward", "unknown reward function 'no_such_reward'"),
-    ("name", "rl_plugins:missing_attr", "missing_attr"),
     ("env", "no_such_env", "unknown env 'no_such_env'"),
 ])
 def test_unknown_reward_or_env_fails_validate(field, value, message, workspace, tmp_path):
@@ -189,6 +188,39 @@ def test_unknown_reward_or_env_fails_validate(field, value, message, workspace, 
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("error: ") and message in out.stderr.splitlines()[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_validate_does_not_import_a_reward_module_and_plan_does(workspace, tmp_path):
+    """`rollout validate` checks a 'module:attr' reward's form, not its module (SPEC section 2: no
+    model, no plugins); `plan` (and `train`, which plans first) imports it and locates a bad one."""
+    marker = tmp_path / "imported"
+    (tmp_path / "marker_reward.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "def exact(prompts, completions, **kwargs):\n    return [0.0 for _ in completions]\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)}
+
+    def cli(command, reward):
+        config = example_config("grpo-tiny.toml", workspace, tmp_path / reward.replace(":", "-"), {
+            'name = "arithmetic_correct"': f'name = "{reward}"',
+            '"../local/models/sft-warmup"': '"../local/models/tiny"',
+        })
+        return subprocess.run([sys.executable, "-m", "rollout.cli.main", command, "--config", str(config)],
+                              capture_output=True, text=True, env=env)
+
+    for reward in ("marker_reward:exact", "marker_reward:missing"):
+        out = cli("validate", reward)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("config OK: algorithm=grpo "), out.stdout
+    assert not marker.exists()
+    out = cli("plan", "marker_reward:missing")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: ") and "module 'marker_reward' has no attribute 'missing'" in out.stderr
+    assert marker.exists()
+    marker.unlink()
+    out = cli("plan", "marker_reward:exact")
+    assert out.returncode == 0, out.stderr
+    assert marker.exists()
 
 
 @pytest.mark.slow

@@ -79,25 +79,6 @@ def check_model_path(cfg: RunConfig) -> None:
             raise ModelError(f"model not found: {uri}")
 
 
-def check_plugins(cfg: RunConfig) -> None:
-    """RL reward functions and envs resolve (built-in names, or importable `module:attr`)."""
-    s = cfg.algorithm.settings
-    rewards = getattr(s, "rewards", ())
-    env = getattr(s, "env", None)
-    if not rewards and env is None:
-        return
-    # Imported here: the RL harness pulls in asyncio (~30 ms), which SFT/DPO configs never need.
-    from rollout.rl.envs import resolve_env
-    from rollout.rl.rewards import resolve_reward
-
-    for spec in rewards:
-        if getattr(spec, "kind", "function") == "function":  # reward models and sidecars: checked by `plan`
-            resolve_reward(spec.name)
-    name = env if isinstance(env, str) or env is None else env.name
-    if isinstance(name, str):  # a sidecar table is checked by `plan` (it starts the sidecar)
-        resolve_env(name)
-
-
 def check_eval(cfg: RunConfig, *, source: Path) -> str:
     """`[eval]`'s env resolves, its data exists, and every row it evaluates starts an episode."""
     if cfg.eval is None:
@@ -118,12 +99,13 @@ def validate(
     no_data: bool = typer.Option(False, "--no-data", help="Skip scanning the dataset's lines."),
 ) -> None:
     """Parse and validate a run config and its dataset's lines (no model, no plugins)."""
+    # Reward and env names were checked against the built-ins and the installed plugins' metadata
+    # while parsing; a 'module:attr' reference is imported by `plan` and `train`, not here.
     from rollout.config import load_config
 
     cfg = load_config(config)
     check_runtime(cfg, source=config)
     data = check_dataset(cfg, scan_lines=not no_data, source=config)
-    check_plugins(cfg)
     if not no_data:
         data += check_eval(cfg, source=config)
     s = cfg.algorithm.settings
