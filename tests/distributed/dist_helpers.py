@@ -120,6 +120,17 @@ def train_cli(kind: str, config: Path, *args: str, timeout: float = 300) -> subp
     )
 
 
+def planned_run_cli(config: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`rollout plan --config CONFIG -o LOCK`, then `rollout run --plan LOCK` (which launches torchrun)."""
+    lock = config.parent / "plan.lock"
+    command = [sys.executable, "-m", "rollout.cli.main"]
+    plan = subprocess.run([*command, "plan", "--config", str(config), "-o", str(lock)],
+                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert plan.returncode == 0, plan.stderr[-4000:]
+    return subprocess.run([*command, "run", "--plan", str(lock)], env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def run_id_of(out: subprocess.CompletedProcess[str]) -> str:
     assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout.split("run ", 1)[1].split()[0]
+    return next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("run "))

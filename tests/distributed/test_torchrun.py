@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import cli_env, distributed_block, run_id_of, train_cli, write_config
+from dist_helpers import cli_env, distributed_block, planned_run_cli, run_id_of, train_cli, write_config
 from safetensors.torch import load as load_safetensors
 
 from rollout.config import load_config
@@ -88,13 +88,17 @@ def _sft_extra(dest: Path, inputs) -> str:
 
 @pytest.fixture(scope="module")
 def sft_runs(inputs, tmp_path_factory):
-    """The same SFT run twice: one process (in this one), and 2 FSDP2 ranks through `rollout train`."""
+    """The same SFT run twice: one process (in this one), and 2 FSDP2 ranks through `rollout plan -o
+    LOCK` and `rollout run --plan LOCK`, which relaunches itself through torchrun as `rollout train`
+    does (the other tests' runs)."""
     root = tmp_path_factory.mktemp("sft")
     one = write_config(root / "one", "sft", inputs, distributed=distributed_block(None), max_steps=N,
                        every_steps=N // 2, extra=_sft_extra(root / "one", inputs))
     two = write_config(root / "two", "sft", inputs, distributed=distributed_block(2), max_steps=N,
                        every_steps=N // 2, extra=_sft_extra(root / "two", inputs))
-    return (one, _train_local(one)), (two, run_id_of(train_cli("sft", two)))
+    out = planned_run_cli(two)
+    assert out.stdout.startswith(f"plan {two.parent / 'plan.lock'}: every pinned file"), out.stdout
+    return (one, _train_local(one)), (two, run_id_of(out))
 
 
 def _eval_completions(config: Path, run_id: str) -> dict[int, list[str]]:

@@ -80,7 +80,15 @@ def run(plan_file: Path = PLAN, resume: str | None = RESUME) -> None:
     device = probe_device(cfg.backend.device)
     cfg, drift = check_lock(plan_file, device_identity=device.identity())
     _refuse_drift(plan_file, drift)
-    typer.echo(f"plan {plan_file}: every pinned file, package and the device unchanged")
+    from rollout.distributed import under_launcher
+
+    if not under_launcher():  # torchrun's ranks check the lock again, quietly
+        typer.echo(f"plan {plan_file}: every pinned file, package and the device unchanged")
+        if cfg.distributed.kind == "torchrun":  # one process per rank, as `rollout train` starts them
+            from rollout.launch import launch_torchrun
+
+            args = ["run", "--plan", str(plan_file.resolve()), *(["--resume", resume] if resume else [])]
+            sys.exit(launch_torchrun(cfg, args, resume=resume))
     run_training(cfg, resume)
 
 

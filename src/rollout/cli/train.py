@@ -64,15 +64,17 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
 
 def run_training(cfg: RunConfig, resume: str | None) -> TrainResult | None:
     """Run a checked config through its algorithm's recipe and print the summary
-    (`rollout train <kind>` and `rollout run --plan` both end here). None on ranks other than 0."""
+    (`rollout train <kind>`, `rollout run --plan` and a pipeline's stages end here). None on ranks
+    other than 0. A torchrun config must already be under torchrun: `train` and `run --plan`
+    relaunch themselves through it first; a pipeline's stages do not yet."""
     from rollout.algorithms.registry import ALGORITHMS
     from rollout.distributed import under_launcher
 
     s = cfg.algorithm.settings
     if cfg.distributed.kind == "torchrun" and not under_launcher():
         raise ConfigError(
-            "this command does not start torchrun yet: run `rollout train <kind> --config F` (it launches"
-            " itself through torchrun) or start it with `torchrun -m rollout.cli.main ...`"
+            "a pipeline's stages do not start torchrun yet: run the stage with `rollout train <kind> --config F`"
+            " or `rollout run --plan LOCK` (both launch themselves through torchrun)"
         )
     train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
     result = train(cfg, resume=resume)
