@@ -101,6 +101,34 @@ def test_pipelined_batches_get_an_old_log_prob_pass_only_when_reused(iterations,
         assert len(calls) == N // 2  # one pass per batch, each batch trained twice
 
 
+def test_masked_truncated_completions_train_on_no_token(workspace, tmp_path):
+    """The random tiny model, 2 tokens a completion: nearly every completion is cut at max_tokens
+    (finish "length"; an eos is ~1 in 512 a token), while `text_length` scores differ within a group.
+    `mask_truncated_completions = true`: a step whose completions were all cut short trains on no
+    token (loss and entropy exactly 0) and a step with some finished ones trains on those; without
+    it every step trains."""
+    from rollout.algorithms.grpo import train_grpo
+
+    runs = {}
+    for masked in (False, True):
+        replace = {**SMALL, "max_tokens = 6": "max_tokens = 2",
+                   'name = "arithmetic_correct"': 'name = "rl_plugins:text_length"',
+                   "dynamic_sampling = true": f"dynamic_sampling = false\nmask_truncated_completions = {str(masked).lower()}"}
+        cfg = load_config(example_config("grpo-tiny.toml", workspace, tmp_path / str(masked), replace))
+        run = train_grpo(cfg)
+        store = _store(cfg)
+        runs[masked] = {name: [m.value for m in store.read_metrics(run.run_id, name=name)]
+                        for name in ("train/loss", "train/entropy", "rollout/truncated_frac")}
+        store.close()
+    assert all(len(values) == N for run in runs.values() for values in run.values()), runs
+    assert all(e > 0 for e in runs[False]["train/entropy"]), runs[False]
+    masked = runs[True]
+    assert 1.0 in masked["rollout/truncated_frac"], masked
+    for loss, entropy, cut in zip(masked["train/loss"], masked["train/entropy"], masked["rollout/truncated_frac"],
+                                  strict=True):
+        assert (loss == 0.0 and entropy == 0.0) if cut == 1.0 else entropy > 0, masked
+
+
 MULTI_TURN = {
     '"../local/models/tools-cold-sft-tiny"': '"../local/models/tiny"',
     '"../local/data/calculator/prompts.jsonl"': '"../local/data/arithmetic/prompts.jsonl"',

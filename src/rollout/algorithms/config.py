@@ -595,6 +595,12 @@ class GRPOConfig(RLCommon):
         "token", description="token: GRPO; sequence: GSPO."
     )
     dynamic_sampling: bool = Field(False, description="Drop zero-variance groups and over-sample to refill (DAPO).")
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Train on no token of a completion cut short (max_tokens reached; an episode out of turns or"
+        " tokens); it still counts in its group's advantages (TRL's mask_truncated_completions, DAPO's overlong"
+        " filtering).",
+    )
     max_oversample_rounds: int = Field(4, ge=1, description="Extra generation rounds to refill a filtered batch.")
 
     @model_validator(mode="after")

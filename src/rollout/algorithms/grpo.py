@@ -53,6 +53,7 @@ from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
+from rollout.rl.episode import TRUNCATED
 from rollout.rl.manager import GroupSpec, RolloutManager
 from rollout.rl.ray_rollout import build_rollout_engine
 from rollout.rl.torchrun_rollout import RankGroups, rank_share
@@ -108,6 +109,12 @@ def collate_samples(samples: Any, idx: list[int], pad_id: int, weight: list[bool
                  for i, m, w in zip(idx, masks, weight, strict=True)]
     return collate_prefix([samples[i].prompt_token_ids for i in idx],
                           [samples[i].completion_token_ids for i in idx], pad_id, masks)
+
+
+def cut_short(sample: Any) -> bool:
+    """Whether a completion stopped for want of room, not by itself: `max_tokens` reached, or an
+    episode out of turns or tokens (`mask_truncated_completions`)."""
+    return sample.finish_reason == "length" or sample.finish_reason in TRUNCATED
 
 
 def rank_rows(idx: list[int], dist: Distributed) -> tuple[list[int], list[bool]]:
@@ -229,13 +236,18 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 # staleness is the engine's log-probs' business (truncated IS). A second pass only
                 # when later iterations need the first one's values, as TRL's `num_iterations`.
                 reused = s.num_iterations > 1
-                whole = [collate_samples(samples, idx, pad_id) for idx in chunks]  # the global micro-batches
-                normalizer = grpo_normalizer(s.loss_agg, [rows.target_mask for rows in whole], max_completion)
+                trained = [not (s.mask_truncated_completions and cut_short(x)) for x in samples]
+                whole = [collate_samples(samples, idx, pad_id, [trained[i] for i in idx])  # the global micro-batches
+                         for idx in chunks]
+                masks = [rows.target_mask for rows in whole]
+                # every completion masked (all cut short): a step with no loss, as TRL's clamp to 1
+                normalizer = grpo_normalizer(s.loss_agg, masks, max_completion) if any(m.any() for m in masks) else 1.0
                 step_tokens = sum(rows.num_row_tokens for rows in whole)
                 micro = []
                 for idx, rows in zip(chunks, whole, strict=True):
                     if ctx.dist.active:  # this rank's rows of the micro-batch
                         idx, weight = rank_rows(idx, ctx.dist)
+                        weight = [w and trained[i] for i, w in zip(idx, weight, strict=True)]
                         rows = collate_samples(samples, idx, pad_id, weight)
                     rows = rows.to(device)
                     rollout = pad_rows([samples[i].rollout_logprobs for i in idx],
