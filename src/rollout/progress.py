@@ -66,7 +66,7 @@ class TrainProgress:
     """A rich progress bar on a TTY; plain `key=value` lines on stderr otherwise."""
 
     def __init__(self, description: str, total: int, *, start: int = 0) -> None:
-        self.total, self.start = total, start
+        self.description, self.total, self.start = description, total, start
         self.tty = sys.stderr.isatty()
         # under torchrun rank 0 shows the progress; nobody does above log level `info`
         self.quiet = os.environ.get("RANK", "0") != "0" or not shows_progress()
@@ -88,7 +88,7 @@ class TrainProgress:
 
     @property
     def description_text(self) -> str:
-        return "train"
+        return f"train {self.description}"
 
     def update(self, step: int, info: Mapping[str, float]) -> None:
         text = " ".join(f"{k}={_fmt(v)}" for k, v in info.items())

@@ -45,6 +45,7 @@ def test_progress_lines_follow_the_log_level(sft_run, rm_run):
     (the rm run was started as `rollout --log-level warning train rm`); stdout is the same either way."""
     steps = [line for line in sft_run.stderr.splitlines() if line.startswith("step=")]
     assert [line.split()[0] for line in steps] == ["step=1/4", "step=2/4", "step=3/4", "step=4/4"], sft_run.stderr
+    assert all(re.fullmatch(r"step=\d/4 loss=\S+ tok/s=\d+", line) for line in steps), steps
     assert "step=" not in rm_run.stderr, rm_run.stderr
     assert rm_run.stdout.startswith("run "), rm_run.stdout
 

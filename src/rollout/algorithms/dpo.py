@@ -208,7 +208,7 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
             rec.metrics(loop.step, last)
             rec.event("train_step", step=loop.step, loss=loss, margin=last["rewards/margins"],
                       accuracy=last["rewards/accuracy"], lr=result.lr, grad_norm=result.grad_norm)
-            progress.update(loop.step, {"loss": loss, "margin": last["rewards/margins"]})
+            progress.update(loop.step, {"loss": loss, "margin": last["rewards/margins"], "tok/s": round(step_tokens / dt)})
             await evaluate_if_due(ctx, loop.step, model, tokenizer)
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(

@@ -258,7 +258,7 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
             rec.metrics(loop.step, last)
             rec.event("train_step", step=loop.step, loss=loss, kl=last["train/kl"], lr=result.lr,
                       grad_norm=result.grad_norm)
-            progress.update(loop.step, {"loss": loss, "kl": last["train/kl"]})
+            progress.update(loop.step, {"loss": loss, "kl": last["train/kl"], "tok/s": round(step_tokens / dt)})
             await evaluate_if_due(ctx, loop.step, model, tokenizer)
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(

@@ -253,7 +253,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                     rec.metrics(loop.step, last)
                     rec.event("train_step", step=loop.step, loss=last["train/loss"],
                               reward_mean=last.get("rollout/reward_mean"), lr=result.lr)
-                    progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0)})
+                    progress.update(loop.step, {"loss": last["train/loss"], "reward": last.get("rollout/reward_mean", 0.0),
+                                                "tok/s": round(last["perf/tokens_per_s"])})
                     await evaluate_if_due(ctx, loop.step, policy, tokenizer)
                 version += 1
                 if snapshot_due(s.snapshot.every_steps, loop.step, total_steps, steps_taken=s.num_iterations):

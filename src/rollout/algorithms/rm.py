@@ -197,7 +197,7 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
             rec.metrics(loop.step, last)
             rec.event("train_step", step=loop.step, loss=loss, accuracy=last["train/accuracy"], lr=result.lr,
                       grad_norm=result.grad_norm)
-            progress.update(loop.step, {"loss": loss, "acc": last["train/accuracy"]})
+            progress.update(loop.step, {"loss": loss, "acc": last["train/accuracy"], "tok/s": round(step_tokens / dt)})
             if snapshot_due(s.snapshot.every_steps, loop.step, total_steps):
                 await snapshot_backend(
                     ctx, backend, step=loop.step, loop_state=loop.to_dict(), static_blobs=static_blobs, extra=extra
