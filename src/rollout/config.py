@@ -51,6 +51,7 @@ from rollout.eval.fields import (
 )
 from rollout.inference.config import InferenceConfig
 from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.sidecar_config import SidecarConfig
 
 if TYPE_CHECKING:
     from rollout.store.objects import BucketUrl
@@ -343,8 +344,8 @@ class PeriodicEvalConfig(StrictModel):
 
     @field_validator("env")
     @classmethod
-    def _known_env(cls, value: str) -> str:
-        return _check_plugin_name(value, tuple(BUILTIN_ENVS), "env")
+    def _known_env(cls, value: str | SidecarConfig) -> str | SidecarConfig:
+        return value if isinstance(value, SidecarConfig) else _check_plugin_name(value, tuple(BUILTIN_ENVS), "env")
 
 
 # --------------------------------------------------------------------------- [observe]

@@ -408,6 +408,39 @@ def test_an_eval_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 0 and [e["id"] for e in json.loads(out)] == [result["eval_id"]]
 
 
+def test_an_eval_whose_env_is_a_sidecar(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """SPEC section 11: a sidecar table is accepted wherever an env is: `tests/plugins/sidecars/env.py`
+    runs each episode (two turns; a turn scores 1.0 when the reply holds the row's answer) in its
+    own process, and the eval records it as "sidecar:env.py"."""
+    monkeypatch.chdir(tmp_path)
+    sidecar = Path(__file__).resolve().parents[1] / "plugins" / "sidecars" / "env.py"
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "answer": "ok" if i % 2 else "nope"}) + "\n" for i in range(4))
+    )
+    with FaultyEndpoint() as endpoint:
+        (tmp_path / "eval.toml").write_text(
+            f'[eval]\nenv = {{kind = "sidecar", command = {json.dumps([sys.executable, str(sidecar)])}}}\n'
+            f'data = "prompts.jsonl"\nbase_url = "{endpoint.base_url}"\nn = 2\noutput = "rows.jsonl"\n\n'
+            '[storage]\nbackend = "embedded"\n[storage.embedded]\npath = "evals.db"\n'
+        )
+        code, out, err = run_main(capsys, "eval", "--config", "eval.toml", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["n_samples"] == 8
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert {row["turns"] for row in rows} == {2}
+    # a turn scores 1.0 when the reply holds the answer ("ok" is in every reply the endpoint makes),
+    # else len(reply) / 10; two turns an episode
+    for row in rows:
+        expected = 2.0 if row["prompt_index"] % 2 else sum(len(m["content"]) / 10 for m in row["messages"][1::2])
+        assert row["reward"] == pytest.approx(expected) and row["success"] == (row["prompt_index"] % 2 == 1), row
+    store = open_store("embedded", path=tmp_path / "evals.db")
+    record = store.get_eval(result["eval_id"])
+    store.close()
+    assert record.env == "sidecar:env.py"
+    assert EvalConfig.model_validate_json(record.config_json).env.command == (sys.executable, str(sidecar))
+
+
 def test_an_eval_stored_in_postgres_is_listed_and_resumed(
     pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ an eval that disturbed it would change the weights), 2 GRPO steps; evals of 8 pr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,3 +193,15 @@ def test_validate_refuses_eval_on_rm_and_locates_a_missing_eval_file(workspace: 
     out = _validate(sft)
     assert out.returncode == 0, out.stderr
     assert "eval=" in out.stdout and "prompts=8 every_steps=2" in out.stdout
+
+    # a sidecar env (SPEC section 11: wherever an env is accepted): validate neither starts it nor
+    # reads rows through it (no plugins); `plan` and `train` do
+    marker = tmp_path / "started"
+    script = tmp_path / "env_sidecar.py"
+    script.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    sidecar = f'env = {{kind = "sidecar", command = {json.dumps([sys.executable, str(script)])}}}'
+    sft.write_text(sft.read_text().replace('env = "arithmetic"', sidecar))
+    out = _validate(sft)
+    assert out.returncode == 0, out.stderr
+    assert "eval=" in out.stdout and out.stdout.rstrip().endswith("every_steps=2") and "prompts=" not in out.stdout
+    assert not marker.exists()

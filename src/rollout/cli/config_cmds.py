@@ -79,14 +79,19 @@ def check_model_path(cfg: RunConfig) -> None:
             raise ModelError(f"model not found: {uri}")
 
 
-def check_eval(cfg: RunConfig, *, source: Path) -> str:
-    """`[eval]`'s env resolves, its data exists, and every row it evaluates starts an episode."""
+def check_eval(cfg: RunConfig, *, source: Path, plugins: bool = True) -> str:
+    """`[eval]`'s env resolves, its data exists, and every row it evaluates starts an episode.
+    `plugins=False` (`validate`): an env that is not built in (a plugin, 'module:attr', a sidecar)
+    is neither imported nor started; only its data file is checked."""
     if cfg.eval is None:
         return ""
     from rollout.config_base import located_error
+    from rollout.rl.builtins import BUILTIN_ENVS
 
     if not cfg.eval.data.is_file():
         raise located_error(source, ["eval", "data"], f"not found: {cfg.eval.data}")
+    if not plugins and not (isinstance(cfg.eval.env, str) and cfg.eval.env in BUILTIN_ENVS):
+        return f" eval={cfg.eval.data} every_steps={cfg.eval.every_steps}"
     # Imported here: the eval harness pulls in asyncio and the RL envs, which most configs never need.
     from rollout.eval.during_training import load_periodic_eval
 
@@ -107,7 +112,7 @@ def validate(
     check_runtime(cfg, source=config)
     data = check_dataset(cfg, scan_lines=not no_data, source=config)
     if not no_data:
-        data += check_eval(cfg, source=config)
+        data += check_eval(cfg, source=config, plugins=False)
     s = cfg.algorithm.settings
     typer.echo(f"config OK: algorithm={cfg.algorithm.kind} model={s.base_model.uri} {data}")
 

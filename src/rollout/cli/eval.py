@@ -414,7 +414,7 @@ def _announce(record: EvalRecord, cfg: EvalConfig, *, resumed: int) -> None:
     total = record.n_prompts * record.n
     what = f"resuming eval {record.id} ({resumed}/{total} samples stored)" if resumed else f"eval {record.id}"
     typer.echo(
-        f"{what}: env {cfg.env}, {record.n_prompts} prompts x {record.n} samples, model {record.model}"
+        f"{what}: env {record.env}, {record.n_prompts} prompts x {record.n} samples, model {record.model}"
         f" (resume with: rollout eval --resume {record.id})",
         err=True,
     )

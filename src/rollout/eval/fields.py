@@ -18,6 +18,9 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
+from rollout.rl.builtins import BUILTIN_ENVS
+from rollout.sidecar_config import SidecarConfig
+
 
 def _finite(value: float) -> float:
     if not math.isfinite(value):
@@ -32,8 +35,15 @@ def _non_empty(value: list[str]) -> list[str]:
 
 
 EnvName = Annotated[
-    str, Field(min_length=1, description="Built-in env (arithmetic, math) or a 'module:attr' factory.")
+    Annotated[str, Field(min_length=1)] | SidecarConfig,
+    Field(description=f"Env: {', '.join(BUILTIN_ENVS)}, an installed plugin, a 'module:attr' factory, or a"
+                      ' sidecar table {kind = "sidecar", command = [...]}.'),
 ]
+
+
+def env_label(env: str | SidecarConfig) -> str:
+    """How records and messages name an env: its name, or "sidecar:env.py"."""
+    return env if isinstance(env, str) else env.label
 SamplesPerPrompt = Annotated[int, Field(ge=1, le=100_000, description="Samples per prompt.")]
 Temperature = Annotated[float, Field(ge=0, le=100, description="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus mass kept.")]

@@ -34,6 +34,7 @@ import blake3
 from rollout.data.jsonl import read_rows
 from rollout.errors import ConfigError, DataError, ModelError, RolloutError, StorageError
 from rollout.eval.config import EvalConfig
+from rollout.eval.fields import env_label
 from rollout.eval.metrics import EvalSummary
 from rollout.eval.runner import run_eval, summarize_samples, summary_to_dict
 from rollout.export import export_snapshot
@@ -82,7 +83,7 @@ def load_eval_data(cfg: EvalConfig, env_factory: EnvFactory, *, path: Path | Non
     """Read and check every prompt row (`DataError` naming `file:line`); `path` overrides `cfg.data`."""
     path = path or cfg.data or getattr(env_factory, "default_data", None)
     if path is None:
-        raise ConfigError(f"no data: pass --data (the env {cfg.env!r} has no default data)")
+        raise ConfigError(f"no data: pass --data (the env {env_label(cfg.env)!r} has no default data)")
     path = Path(path)
     rows, _ = read_rows(path, "prompt")
     return EvalData(path, digest_file(path), [row.data for row in rows], [row.line for row in rows])
@@ -238,7 +239,7 @@ def create_eval_record(
         model=target.description,
         model_identity=target.identity,
         engine=target.engine,
-        env=cfg.env,
+        env=env_label(cfg.env),
         data_path=str(data.path.resolve()),
         data_digest=data.digest,
         n_prompts=len(data.rows),
