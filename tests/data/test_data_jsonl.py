@@ -188,6 +188,32 @@ def test_blank_lines_are_ignored_but_keep_line_numbers(write_jsonl):
     assert report.errors[0].startswith(f"{path}:7: invalid JSON: ")
 
 
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_scanning_a_large_file_reports_its_progress(level, tmp_path, monkeypatch, capsys):
+    """A file of `ReadProgress.MIN_BYTES` or more (here lowered to 1 MiB) shows how far a scan has
+    got, every ~5% of its bytes, as plain lines off a TTY; above log level info, nothing."""
+    from rollout.progress import ReadProgress
+
+    monkeypatch.setattr(ReadProgress, "MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("ROLLOUT_LOG", level)
+    line = json.dumps({"text": "x" * 1000}) + "\n"
+    path = tmp_path / "big.jsonl"
+    path.write_text(line * 4200)  # ~4 MiB
+    report = scan_dataset(path, "sft")
+    assert report.num_valid == 4200
+    shown = capsys.readouterr().err.splitlines()
+    if level == "warning":
+        assert shown == []
+        return
+    assert 18 <= len(shown) <= 21, shown
+    assert all(s.startswith(f"read={path} mb=") and s.endswith("/4") for s in shown), shown
+    assert shown[-1] == f"read={path} mb=4/4"
+    small = tmp_path / "small.jsonl"
+    small.write_text(line)
+    read_rows(small, "sft")
+    assert capsys.readouterr().err == ""  # a small file: no progress
+
+
 def test_skip_mode_counts_and_keeps_valid_rows(write_jsonl):
     lines = [{"text": "a"}, {"text": 1}, "nope", {"text": "b"}, {"messages": []}, {"text": "c"}]
     path = write_jsonl(lines)

@@ -23,6 +23,7 @@ transformers or numpy.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Literal
 
 from rollout.data.formats import LINE_KINDS, LineKind, normalize_line
 from rollout.errors import DataError
+from rollout.progress import ReadProgress
 
 OnBadLine = Literal["error", "skip"]
 
@@ -166,9 +168,11 @@ def _scan(
 
 
 def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line, streamed."""
-    with path.open("rb") as f:
+    """(1-based line number, raw bytes) of every non-blank line, streamed (with `ReadProgress` for
+    a large file)."""
+    with path.open("rb") as f, ReadProgress(str(path), os.fstat(f.fileno()).st_size) as progress:
         for line_no, raw in enumerate(f, start=1):
+            progress.advance(len(raw))
             if raw.strip():
                 yield line_no, raw
 

@@ -8,7 +8,8 @@ default:
     success_threshold: SuccessThreshold = 1.0
 
 Its own module because `rollout.config` imports it and `eval/config.py` imports
-`rollout.config`. pydantic only: no torch, nothing from `rollout.config`.
+`rollout.config`. pydantic only (and the sidecar table, `rollout.sidecar_config`): no torch, nothing
+from `rollout.config`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ EnvName = Annotated[
 def env_label(env: str | SidecarConfig) -> str:
     """How records and messages name an env: its name, or "sidecar:env.py"."""
     return env if isinstance(env, str) else env.label
+
+
 SamplesPerPrompt = Annotated[int, Field(ge=1, le=100_000, description="Samples per prompt.")]
 Temperature = Annotated[float, Field(ge=0, le=100, description="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus mass kept.")]
