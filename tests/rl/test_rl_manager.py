@@ -177,6 +177,31 @@ def test_dynamic_filtering_refills_and_carries_groups_over(rl_engine) -> None:
     same_batches(following, next_batch(resumed, 0))
 
 
+def test_dynamic_filtering_drops_groups_of_identical_completions(rl_engine) -> None:
+    """Greedy sampling makes a group's completions identical; a noisy scorer (0 and 1 by position,
+    whatever the text) still spreads their rewards. Such a group is dropped ("identical": its
+    advantages would be the scorer's noise); without dynamic filtering it trains."""
+    def noisy(prompts, completions, **_):
+        return [float(i % 2) for i in range(len(completions))]
+
+    greedy = replace(SAMPLING, temperature=0.0)
+    events: list[tuple[str, dict]] = []
+    manager = make_manager(rl_engine, arithmetic_rows(4), reward_fns=[("noisy", noisy, 1.0)], sampling=greedy,
+                           dynamic_filtering=True, max_oversample_rounds=1,
+                           on_event=lambda name, fields: events.append((name, fields)))
+    batch = next_batch(manager, 0)
+    assert batch.samples == () and batch.metrics["rollout/filtered_groups_frac"] == 1.0
+    assert batch.metrics["rollout/reward_mean_generated"] == 0.5  # the scorer did spread them
+    (name, fields), *rest = events
+    assert name == "groups_filtered" and fields["count"] == fields["identical"] >= 2 and set(fields) == {
+        "count", "identical"}
+    assert [name for name, _ in rest] == ["batch_short"]
+    kept = next_batch(make_manager(rl_engine, arithmetic_rows(4), reward_fns=[("noisy", noisy, 1.0)],
+                                   sampling=greedy), 0)
+    assert len(kept.groups()) == 2
+    assert all(len({s.completion_token_ids for s in g}) == 1 for g in kept.groups())
+
+
 def test_stale_carried_groups_are_discarded(rl_engine) -> None:
     rows = kind_rows({0: "const"}, 6)
     settings = dict(reward_fns=[("kind", kind_reward, 1.0)], dynamic_filtering=True)

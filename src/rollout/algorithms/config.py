@@ -594,7 +594,11 @@ class GRPOConfig(RLCommon):
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="token: GRPO; sequence: GSPO."
     )
-    dynamic_sampling: bool = Field(False, description="Drop zero-variance groups and over-sample to refill (DAPO).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="Drop groups that can't teach -- one reward for all (DAPO), one completion for all, fewer than 2"
+        " scored -- and over-sample to refill.",
+    )
     mask_truncated_completions: bool = Field(
         False,
         description="Train on no token of a completion cut short (max_tokens reached; an episode out of turns or"

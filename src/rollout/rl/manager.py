@@ -196,14 +196,20 @@ class RolloutManager:
         return math.ceil(missing / keep_rate)
 
     def _reject_reason(self, group: Group) -> str | None:
-        ok_rewards = [s.reward for s in group if s.reward is not None]
-        if not ok_rewards:
+        """Why a group can't train (None: it can). With dynamic filtering: fewer than 2 scored
+        samples, one reward for all ("zero_std"), or one completion for all ("identical": a
+        reward spread over the same tokens is the scorer's noise, not a signal to learn)."""
+        ok = [s for s in group if s.reward is not None]
+        if not ok:
             return "all_dropped"
         if self.dynamic_filtering:
-            if len(ok_rewards) < 2:
+            if len(ok) < 2:
                 return "too_few_ok"
-            if max(ok_rewards) == min(ok_rewards):
+            rewards = [s.reward for s in ok]
+            if max(rewards) == min(rewards):
                 return "zero_std"
+            if len({s.completion_token_ids for s in ok}) == 1:
+                return "identical"
         return None
 
     async def _run_round(self, k: int, policy_version: int, stats: _CallStats) -> list[Group]:
