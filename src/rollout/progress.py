@@ -58,8 +58,7 @@ def set_log_level(value: str | None) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         handler.rollout_cli = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False  # printed once, here, not again by a handler on the root logger
+        logger.addHandler(handler)  # the CLI's root logger has no handler: each record prints once
 
 
 class TrainProgress:
