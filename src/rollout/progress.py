@@ -105,47 +105,52 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-class ReadProgress:
-    """How far a long read has got (a dataset scan): a rich bar on a TTY, else a plain
-    `read=NAME mb=12/250` line on stderr every ~5%; shown only for files of `MIN_BYTES` or more
-    (a smaller one reads in well under a second) and at log level `info` or more verbose.
+class ByteProgress:
+    """How far a long transfer has got: a large file read (`verb="read"`: a dataset scan) or the
+    snapshot uploads a run waits for at its end (`verb="upload"`). A rich bar on a TTY, else a plain
+    `VERB=NAME mb=12/250` line on stderr every ~5%; shown only from `MIN_BYTES` (less moves in well
+    under a second), at log level `info` or more verbose, and on torchrun's rank 0.
 
-        with ReadProgress("data/sft.jsonl", path.stat().st_size) as progress:
+        with ByteProgress("read", "data/sft.jsonl", path.stat().st_size) as progress:
             for raw in f:
                 progress.advance(len(raw))
     """
 
     MIN_BYTES = 64 << 20
 
-    def __init__(self, name: str, total_bytes: int) -> None:
-        self.name, self.total, self.done = name, total_bytes, 0
+    def __init__(self, verb: str, name: str, total_bytes: int) -> None:
+        self.verb, self.name, self.total, self.done = verb, name, total_bytes, 0
         self.shown = total_bytes >= self.MIN_BYTES and shows_progress() and os.environ.get("RANK", "0") == "0"
         self._every = max(1, total_bytes // 20)
         self._next = self._every
         self._bar: Any = None
 
-    def __enter__(self) -> ReadProgress:
+    def __enter__(self) -> ByteProgress:
         if self.shown and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
-                TextColumn("[bold]read {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                console=Console(stderr=True), transient=True,
+                TextColumn(f"[bold]{self.verb} {{task.description}}"), BarColumn(), DownloadColumn(),
+                TimeRemainingColumn(), console=Console(stderr=True), transient=True,
             )
             self._bar.__enter__()
             self._task = self._bar.add_task(self.name, total=self.total)
         return self
 
     def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        if not self.shown or self.done < self._next:
+        self.update(self.done + nbytes)
+
+    def update(self, done: int) -> None:
+        """`done` bytes of the total moved so far."""
+        self.done = done
+        if not self.shown or done < self._next:
             return
-        self._next = self.done + self._every
+        self._next = done + self._every
         if self._bar is not None:
-            self._bar.update(self._task, completed=self.done)
+            self._bar.update(self._task, completed=done)
         else:
-            print(f"read={self.name} mb={self.done / 2**20:.0f}/{self.total / 2**20:.0f}", file=sys.stderr, flush=True)
+            print(f"{self.verb}={self.name} mb={done / 2**20:.0f}/{self.total / 2**20:.0f}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:

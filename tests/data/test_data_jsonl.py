@@ -190,11 +190,11 @@ def test_blank_lines_are_ignored_but_keep_line_numbers(write_jsonl):
 
 @pytest.mark.parametrize("level", ["info", "warning"])
 def test_scanning_a_large_file_reports_its_progress(level, tmp_path, monkeypatch, capsys):
-    """A file of `ReadProgress.MIN_BYTES` or more (here lowered to 1 MiB) shows how far a scan has
+    """A file of `ByteProgress.MIN_BYTES` or more (here lowered to 1 MiB) shows how far a scan has
     got, every ~5% of its bytes, as plain lines off a TTY; above log level info, nothing."""
-    from rollout.progress import ReadProgress
+    from rollout.progress import ByteProgress
 
-    monkeypatch.setattr(ReadProgress, "MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(ByteProgress, "MIN_BYTES", 1 << 20)
     monkeypatch.setenv("ROLLOUT_LOG", level)
     line = json.dumps({"text": "x" * 1000}) + "\n"
     path = tmp_path / "big.jsonl"

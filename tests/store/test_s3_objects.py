@@ -246,6 +246,25 @@ def test_write_behind_commits_the_row_only_after_every_blob_is_up(s3_bucket, tmp
     store.close()
 
 
+def test_closing_shows_how_far_the_pending_uploads_got(s3_bucket, tmp_path, monkeypatch, capsys):
+    """A run's end waits for its staged blobs (`finish_uploads` -> `close`): from `ByteProgress.MIN_BYTES`
+    pending (here lowered to 1 MiB) it says how many are up, every ~5%, as plain lines off a TTY."""
+    from rollout.progress import ByteProgress
+
+    monkeypatch.setattr(ByteProgress, "MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("ROLLOUT_LOG", "info")
+    remote = s3_store(s3_bucket)
+    inject(remote, "PutObject", lambda request, **_: time.sleep(0.3))  # a slow link: 0.3 s a blob
+    objects = WriteBehindObjectStore(remote, tmp_path / "staging")
+    digests = [objects.put_bytes(bytes([i]) * (256 << 10)) for i in range(8)]  # 2 MiB staged
+    capsys.readouterr()
+    objects.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(line.startswith(f"upload={remote.location} mb=") for line in lines), lines
+    assert lines[-1] == f"upload={remote.location} mb=2/2", lines
+    assert bucket_keys(s3_bucket) == sorted(f"objects/{d[:2]}/{d[2:4]}/{d}" for d in digests)
+
+
 def test_a_failed_upload_never_commits_its_row(s3_bucket, tmp_path):
     store = open_store("embedded", path=tmp_path / "rollout.db")
     run = store.create_run(algorithm="sft", config_digest="d", config_json="{}")

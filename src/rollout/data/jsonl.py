@@ -31,7 +31,7 @@ from typing import Literal
 
 from rollout.data.formats import LINE_KINDS, LineKind, normalize_line
 from rollout.errors import DataError
-from rollout.progress import ReadProgress
+from rollout.progress import ByteProgress
 
 OnBadLine = Literal["error", "skip"]
 
@@ -168,9 +168,9 @@ def _scan(
 
 
 def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line, streamed (with `ReadProgress` for
+    """(1-based line number, raw bytes) of every non-blank line, streamed (with `ByteProgress` for
     a large file)."""
-    with path.open("rb") as f, ReadProgress(str(path), os.fstat(f.fileno()).st_size) as progress:
+    with path.open("rb") as f, ByteProgress("read", str(path), os.fstat(f.fileno()).st_size) as progress:
         for line_no, raw in enumerate(f, start=1):
             progress.advance(len(raw))
             if raw.strip():

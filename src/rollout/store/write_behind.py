@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rollout.errors import BlobNotFound, StorageError
+from rollout.progress import ByteProgress
 from rollout.store.objects import FsObjectStore, ObjectStore, hash_bytes
 
 _LOCK_SUFFIX = ".lock"
@@ -123,12 +124,30 @@ class WriteBehindObjectStore:
                 return
             self._closed = True
             self._jobs.put(_STOP)
-        self._worker.join()
+        self._wait_for_uploads()
         shutil.rmtree(self.local.root, ignore_errors=True)
         self._lock_path.unlink(missing_ok=True)
         self._lock_handle.close()  # releases the flock
         if not self._failure_raised:
             self._raise_failure()
+
+    def _wait_for_uploads(self) -> None:
+        """Join the upload thread, showing how many of the staged bytes are up (`ByteProgress`)."""
+        total = self._staged_bytes()
+        where = getattr(self.remote, "location", type(self.remote).__name__)
+        with ByteProgress("upload", where, total) as progress:
+            while self._worker.is_alive():
+                self._worker.join(timeout=0.5)
+                progress.update(total - self._staged_bytes())
+
+    def _staged_bytes(self) -> int:
+        with self._lock:
+            staged = list(self._staged)
+        size = 0
+        for digest in staged:
+            with contextlib.suppress(FileNotFoundError):  # uploaded and deleted meanwhile
+                size += self.local.path_for(digest).stat().st_size
+        return size
 
     # -- reads: the staged copy while there is one, else the remote store -----
 
