@@ -171,8 +171,10 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of every non-blank line, streamed (with `ByteProgress` for
     a large file)."""
     with path.open("rb") as f, ByteProgress("read", str(path), os.fstat(f.fileno()).st_size) as progress:
+        advance = progress.advance if progress.shown else None  # a small file: no per-line call
         for line_no, raw in enumerate(f, start=1):
-            progress.advance(len(raw))
+            if advance is not None:
+                advance(len(raw))
             if raw.strip():
                 yield line_no, raw
 
