@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout import __version__
 from rollout.algorithms.config import (
@@ -51,7 +51,9 @@ from rollout.algorithms.registry import ALGORITHMS, BUILTIN_ALGORITHMS
 from rollout.config import RunConfig, load_config
 from rollout.config_base import located_error
 from rollout.data.jsonl import DataReport, Row
+from rollout.data.prepared import Encoded, encode_lines, leave_prepared, prepared_key
 from rollout.data.sources import read_dataset
+from rollout.data.tokenize import cut_pairs, cut_samples
 from rollout.errors import ConfigError, DataError, RolloutError
 from rollout.plan_lock import (
     LOCK_VERSION,
@@ -78,6 +80,7 @@ from rollout.sidecar_config import SidecarConfig
 
 _UNTRUNCATED = sys.maxsize
 """max_seq_len handed to the tokenizers so they keep every token: plan counts the overflow itself."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -155,14 +158,16 @@ class Plan:
 
 
 def make_plan(
-    config_path: Path, *, config: RunConfig | None = None, produced: Sequence[Path] = (), pin: bool = True
+    config_path: Path, *, config: RunConfig | None = None, produced: Sequence[Path] = (), pin: bool = True,
+    hand_off: bool = False,
 ) -> Plan:
     """Every plan-time check of the run config at `config_path` (module docstring).
 
     A pipeline stage (`rollout.pipeline`) passes its `config` already loaded, with stand-ins for
     the models earlier stages will produce, and those stand-ins' folders as `produced`: their
     files are checked but not pinned. `pin=False` (`rollout train`, which writes no lock) skips
-    step 5's digests: the plan's `files` is empty."""
+    step 5's digests: the plan's `files` is empty. `hand_off=True` (`rollout train`, whose recipe
+    runs next in this process) leaves the rows read and tokenised here for it (`rollout.data.prepared`)."""
     from rollout.cli.config_cmds import check_dataset_files, check_eval, check_model_path, check_runtime
 
     config_path = Path(config_path)
@@ -185,9 +190,10 @@ def make_plan(
     tokenizer = _load_tokenizer(cfg, warnings)
     shape = lengths = memory = None
     device = probe_device(cfg.backend.device)
+    encoded = None
     if tokenizer is not None:
         shape = read_model_shape(local_model_dir(s.base_model.uri, s.base_model.revision))
-        lengths = measure_lengths(cfg, rows, tokenizer, tool_schemas)
+        lengths, encoded = measure_lengths(cfg, rows, tokenizer, tool_schemas)
         warnings += _length_warnings(cfg, lengths, shape)
         _check_enough_samples(cfg, lengths, config_path)
         memory = estimate_memory(build_workload(cfg, shape, lengths), device=device.kind)
@@ -195,6 +201,9 @@ def make_plan(
     files = digest_files(
         f for f in files_to_pin(cfg, config_path=config_path) if not is_under(f[0], produced)
     ) if pin else []
+    if hand_off:
+        leave_prepared(prepared_key(s.dataset, spec.data_kind, model=s.base_model, loss_on=_loss_on(cfg)),
+                       rows, report, encoded)
     return Plan(config_path, cfg, report, lengths, tuple(plugins), shape, memory, device, tuple(files),
                 package_versions(), tuple(warnings))
 
@@ -221,31 +230,40 @@ def _check_budget(cfg: RunConfig, source: Path) -> None:
 # --------------------------------------------------------------------------- lengths
 
 
-def measure_lengths(cfg: RunConfig, rows: list[Row], tokenizer: Any, tool_schemas: list[dict]) -> LengthReport:
-    """Tokenise every row as the algorithm will and count what exceeds `packing.max_seq_len`."""
-    from rollout.data.tokenize import tokenize_pairs, tokenize_sft
-
+def measure_lengths(
+    cfg: RunConfig, rows: list[Row], tokenizer: Any, tool_schemas: list[dict]
+) -> tuple[LengthReport, Encoded | None]:
+    """Tokenise every row as the algorithm will and count what exceeds `packing.max_seq_len`;
+    with the full-length tokens of sft, kto and preference lines (the recipe cuts them)."""
     s = cfg.algorithm.settings
     limit = s.packing.max_seq_len
     kind = ALGORITHMS[cfg.algorithm.kind].data_kind
     if kind in ("sft", "kto"):
-        loss_on = "completion" if kind == "kto" else s.loss_on.kind
-        samples, stats = _tokenize_located(
-            rows, lambda rs: tokenize_sft(rs, tokenizer, loss_on=loss_on, max_seq_len=_UNTRUNCATED))
+        encoded = _tokenize_located(rows, lambda rs: encode_lines(rs, kind, tokenizer, loss_on=_loss_on(cfg)))
+        samples, stats, _ = cut_samples(encoded, _UNTRUNCATED)
         lengths = [len(x.input_ids) for x in samples]
         lost = sum(1 for x in samples if len(x.input_ids) > limit and not any(x.loss_mask[1:limit]))
-        return _report("sequences", lengths, limit, "truncated", stats.num_dropped + lost)
+        return _report("sequences", lengths, limit, "truncated", stats.num_dropped + lost), encoded
     if kind == "preference":
-        pairs, stats = _tokenize_located(rows, lambda rs: tokenize_pairs(rs, tokenizer, max_seq_len=_UNTRUNCATED))
+        encoded = _tokenize_located(rows, lambda rs: encode_lines(rs, kind, tokenizer, loss_on=None))
+        pairs, stats, _ = cut_pairs(encoded, _UNTRUNCATED)
         lengths = [max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs]
         lost = sum(1 for p in pairs if _pair_lost(p, limit))
-        return _report("pairs", lengths, limit, "truncated", stats.num_dropped + lost)
-    prompt_lengths, _ = _tokenize_located(rows, lambda rs: _prompt_lengths(rs, tokenizer, tool_schemas))
+        return _report("pairs", lengths, limit, "truncated", stats.num_dropped + lost), encoded
+    prompt_lengths = _tokenize_located(rows, lambda rs: _prompt_lengths(rs, tokenizer, tool_schemas))
     completion = _max_completion(s)
     over = sum(1 for n in prompt_lengths if n + completion > limit)
     report = _report("prompts", prompt_lengths, limit, "reported", 0)
     return LengthReport(report.what, report.count, report.percentiles, limit, over, "reported", 0,
-                        report.total_tokens)
+                        report.total_tokens), None
+
+
+def _loss_on(cfg: RunConfig) -> str | None:
+    """The `loss_on` the recipe tokenises its lines with (None: preference and prompt lines)."""
+    kind = ALGORITHMS[cfg.algorithm.kind].data_kind
+    if kind == "kto":
+        return "completion"
+    return cfg.algorithm.settings.loss_on.kind if kind == "sft" else None
 
 
 def _report(what: str, lengths: list[int], limit: int, action: str, dropped: int) -> LengthReport:
@@ -271,7 +289,7 @@ def _pair_lost(pair: Any, limit: int) -> bool:
     return len(c) <= min(pair.prompt_len_chosen, limit) or len(r) <= min(pair.prompt_len_rejected, limit) or c == r
 
 
-def _prompt_lengths(rows: list[Row], tokenizer: Any, tool_schemas: list[dict]) -> tuple[list[int], None]:
+def _prompt_lengths(rows: list[Row], tokenizer: Any, tool_schemas: list[dict]) -> list[int]:
     """Prompt tokens as the engine renders them: text as is, messages through the chat template
     with the generation prompt (and the env's tools)."""
     out = []
@@ -285,10 +303,10 @@ def _prompt_lengths(rows: list[Row], tokenizer: Any, tool_schemas: list[dict]) -
         rendered = tokenizer.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=True, tools=tool_schemas or None, return_dict=True)
         out.append(len(rendered["input_ids"]))
-    return out, None
+    return out
 
 
-def _tokenize_located(rows: list[Row], tokenize: Callable[[list[Row]], tuple[Any, Any]]) -> tuple[Any, Any]:
+def _tokenize_located(rows: list[Row], tokenize: Callable[[list[Row]], T]) -> T:
     """`tokenize(rows)`, with a chat template's own exception (a jinja `raise_exception`, a bad
     message shape) pinned to the line that raised it."""
     from transformers.utils import logging as hf_logging

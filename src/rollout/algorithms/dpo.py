@@ -29,8 +29,8 @@ from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
 from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-from rollout.data.sources import read_dataset
-from rollout.data.tokenize import tokenize_pairs
+from rollout.data.prepared import read_encoded
+from rollout.data.tokenize import cut_pairs, tokenize_pairs
 from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.logps import sequence_logps
@@ -131,8 +131,9 @@ async def _train(ctx: RunContext, s: DPOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_dataset(s.dataset, "preference")
-    pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len=s.packing.max_seq_len)
+    rows, report, encoded = read_encoded(s.dataset, "preference", tokenizer, model=s.base_model)
+    pairs, stats, _ = cut_pairs(encoded, s.packing.max_seq_len)
+    del rows, encoded  # the pairs are what training reads
     lengths = [max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs]
     plan = MicroBatchPlan(lengths, micro_batch_size=s.minibatch_size, packing="off",
                           max_seq_len=s.packing.max_seq_len, seed=cfg.seed)

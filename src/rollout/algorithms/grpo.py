@@ -44,7 +44,7 @@ from rollout.algorithms.rl_common import (
 from rollout.backends.torch_backend import pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
-from rollout.data.sources import read_dataset
+from rollout.data.prepared import read_rows_prepared
 from rollout.distributed import Distributed, DistributedBackend, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
@@ -152,7 +152,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     # ---- data, rewards, engine, manager
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
-    rows, report = read_dataset(s.dataset, "prompt")
+    rows, report = read_rows_prepared(s.dataset, "prompt", model=s.base_model)
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)

@@ -29,8 +29,8 @@ from rollout.config import RunConfig
 from rollout.data.collate import collate_padded
 from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-from rollout.data.sources import read_dataset
-from rollout.data.tokenize import TokenizedSample, tokenize_aligned, tokenize_sft
+from rollout.data.prepared import read_encoded
+from rollout.data.tokenize import TokenizedSample, cut_samples, encode_sft
 from rollout.distributed import DistributedBackend, build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.logps import sequence_logps
@@ -168,10 +168,10 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_dataset(s.dataset, "kto")
-    samples, stats, rows = tokenize_aligned(
-        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=s.packing.max_seq_len), rows,
-    )
+    rows, report, encoded = read_encoded(s.dataset, "kto", tokenizer, model=s.base_model, loss_on="completion")
+    samples, stats, kept = cut_samples(encoded, s.packing.max_seq_len)
+    rows = [rows[i] for i in kept]  # a line's label follows its sample
+    del encoded
     labels = torch.tensor([bool(r.data["label"]) for r in rows])
     if labels.all() or not labels.any():
         raise DataError(f"{report.label}: kto needs both desirable (true) and undesirable (false) lines")
@@ -274,9 +274,8 @@ async def _train(ctx: RunContext, s: KTOConfig) -> TrainResult:
 def desirable_gap(model: Any, tokenizer: Any, rows: Sequence[Any], *, max_seq_len: int, batch_size: int = 64) -> float:
     """Mean completion log-prob of desirable lines minus that of undesirable lines."""
     rows = [r if isinstance(r, Row) else Row(line=i + 1, data=r) for i, r in enumerate(rows)]
-    samples, _, rows = tokenize_aligned(
-        lambda rs: tokenize_sft(rs, tokenizer, loss_on="completion", max_seq_len=max_seq_len), rows
-    )
+    samples, _, kept = cut_samples(encode_sft(rows, tokenizer, loss_on="completion"), max_seq_len)
+    rows = [rows[i] for i in kept]
     sums = {True: [0.0, 0], False: [0.0, 0]}
     model.eval()
     with torch.no_grad():

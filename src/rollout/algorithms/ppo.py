@@ -43,7 +43,7 @@ from rollout.algorithms.rl_common import (
 from rollout.backends.torch_backend import build_torch_backend, pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
-from rollout.data.sources import read_dataset
+from rollout.data.prepared import read_rows_prepared
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
 from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss, whiten
@@ -135,7 +135,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
     pad_id = tokenizer.pad_token_id
-    rows, report = read_dataset(s.dataset, "prompt")
+    rows, report = read_rows_prepared(s.dataset, "prompt", model=s.base_model)
     data = [r.data for r in rows]
     device = pick_device(cfg.backend.device)
     reward_fns = resolve_reward_specs(s.rewards, s.env, ctx=ctx, device=device, dtype=s.base_model.dtype)

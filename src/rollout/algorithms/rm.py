@@ -29,8 +29,9 @@ from rollout.config import RunConfig
 from rollout.data.collate import collate_pairs
 from rollout.data.jsonl import Row
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
+from rollout.data.prepared import read_encoded
 from rollout.data.sources import read_dataset
-from rollout.data.tokenize import tokenize_aligned, tokenize_pairs
+from rollout.data.tokenize import cut_pairs, tokenize_pairs
 from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError, DataError
 from rollout.losses.rm import bradley_terry_loss
@@ -120,10 +121,10 @@ async def _train(ctx: RunContext, s: RMConfig) -> TrainResult:
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
-    rows, report = read_dataset(s.dataset, "preference")
-    pairs, stats, rows = tokenize_aligned(
-        lambda rs: tokenize_pairs(rs, tokenizer, max_seq_len=s.packing.max_seq_len), rows
-    )
+    rows, report, encoded = read_encoded(s.dataset, "preference", tokenizer, model=s.base_model)
+    pairs, stats, kept = cut_pairs(encoded, s.packing.max_seq_len)
+    rows = [rows[i] for i in kept]  # a line's margin follows its pair
+    del encoded
     margins = [_line_margin(r) for r in rows]
     eval_rows = read_dataset(s.eval_dataset, "preference")[0] if s.eval_dataset is not None else None
     lengths = [max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs]

@@ -24,8 +24,8 @@ from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.collate import attention_mask_for, collate_packed, collate_padded
 from rollout.data.loader import MicroBatchPlan, iterate_micro_batches
-from rollout.data.sources import read_dataset
-from rollout.data.tokenize import tokenize_sft
+from rollout.data.prepared import read_encoded
+from rollout.data.tokenize import cut_samples
 from rollout.distributed import build_backend
 from rollout.errors import AlgorithmError
 from rollout.losses.sft import next_token_targets, sft_loss
@@ -77,10 +77,9 @@ async def _train(ctx: RunContext, s: SFTConfig) -> TrainResult:
     # ---- data
     base_model = ModelSource(**s.base_model.model_dump())
     tokenizer = load_tokenizer(base_model)
-    rows, report = read_dataset(s.dataset, "sft")
-    samples, stats = tokenize_sft(
-        rows, tokenizer, loss_on=s.loss_on.kind, max_seq_len=s.packing.max_seq_len
-    )
+    rows, report, encoded = read_encoded(s.dataset, "sft", tokenizer, model=s.base_model, loss_on=s.loss_on.kind)
+    samples, stats, _ = cut_samples(encoded, s.packing.max_seq_len)
+    del rows, encoded  # the samples are what training reads
     if not samples:
         raise AlgorithmError(f"{report.label}: no trainable samples after tokenization")
     plan = MicroBatchPlan(

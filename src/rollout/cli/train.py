@@ -51,7 +51,7 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     if not under_launcher():
         from rollout.plan import make_plan
 
-        for warning in make_plan(config, config=cfg, pin=False).warnings:
+        for warning in make_plan(config, config=cfg, pin=False, hand_off=True).warnings:
             typer.echo(f"warning: {warning}", err=True)
 
     if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun

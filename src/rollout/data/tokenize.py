@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal
 
 from rollout.data.jsonl import Row
-from rollout.errors import AlgorithmError, DataError, ModelError
+from rollout.errors import DataError, ModelError
 
 if TYPE_CHECKING:  # annotations only: this module never imports transformers
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -89,9 +89,22 @@ def tokenize_sft(
     path: Path | None = None,
 ) -> tuple[list[TokenizedSample], TokenizeStats]:
     """Tokenize sft lines (`messages`, `prompt`+`completion`, or `text`) with their loss masks."""
+    _check_max_seq_len(max_seq_len)
+    samples, stats, _ = cut_samples(encode_sft(rows, tokenizer, loss_on=loss_on, path=path), max_seq_len)
+    return samples, stats
+
+
+EncodedSample = tuple[list[int], list[bool]]
+"""A line's token ids and loss mask, whole: `encode_sft`'s item, which `cut_samples` truncates."""
+
+
+def encode_sft(
+    rows: Sequence[Row], tokenizer: Tokenizer, *, loss_on: LossOn, path: Path | None = None
+) -> list[EncodedSample]:
+    """Every line's ids and loss mask at its full length, in line order (the costly half of
+    `tokenize_sft`: a plan measures these, a recipe cuts them to its `max_seq_len`)."""
     if loss_on not in LOSS_ON:
         raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
-    _check_max_seq_len(max_seq_len)
     eos = _eos_id(tokenizer)
 
     by_shape: dict[str, list[int]] = {"messages": [], "pc_text": [], "pc_chat": [], "text": []}
@@ -109,16 +122,22 @@ def tokenize_sft(
         "pc_chat": lambda rs: _encode_pc_chat(rs, tokenizer, loss_on, path),
         "text": lambda rs: _encode_text(rs, tokenizer, eos),
     }
-    encoded: list[tuple[list[int], list[bool]] | None] = [None] * len(rows)
+    encoded: list[EncodedSample | None] = [None] * len(rows)
     for shape, indices in by_shape.items():
         for i, item in zip(indices, encoders[shape]([rows[i] for i in indices]), strict=True):
             encoded[i] = item
+    return encoded  # type: ignore[return-value]  # every position filled above
 
+
+def cut_samples(
+    encoded: Sequence[EncodedSample], max_seq_len: int
+) -> tuple[list[TokenizedSample], TokenizeStats, list[int]]:
+    """`encode_sft`'s lines cut to their first `max_seq_len` tokens, those left without a loss
+    token dropped; with the kept lines' positions (per-line fields such as labels follow them)."""
     samples: list[TokenizedSample] = []
+    kept: list[int] = []
     num_truncated = num_dropped = num_tokens = num_loss_tokens = 0
-    for item in encoded:
-        assert item is not None
-        ids, mask = item
+    for i, (ids, mask) in enumerate(encoded):
         if len(ids) > max_seq_len:
             num_truncated += 1
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
@@ -128,6 +147,7 @@ def tokenize_sft(
             num_dropped += 1
             continue
         samples.append(TokenizedSample(input_ids=tuple(ids), loss_mask=tuple(mask)))
+        kept.append(i)
         num_tokens += len(ids)
         num_loss_tokens += loss_tokens
     stats = TokenizeStats(
@@ -137,7 +157,7 @@ def tokenize_sft(
         num_tokens=num_tokens,
         num_loss_tokens=num_loss_tokens,
     )
-    return samples, stats
+    return samples, stats, kept
 
 
 def _sft_shape(row: Row) -> str:
@@ -255,11 +275,21 @@ def tokenize_pairs(
     answer tokens of both sides.
     """
     _check_max_seq_len(max_seq_len)
+    pairs, stats, _ = cut_pairs(encode_pairs(rows, tokenizer, path=path), max_seq_len)
+    return pairs, stats
+
+
+EncodedPair = tuple[list[int], list[int], int, int]
+"""prompt + chosen ids, prompt + rejected ids, and the prompt's length on each side, whole."""
+
+
+def encode_pairs(rows: Sequence[Row], tokenizer: Tokenizer, *, path: Path | None = None) -> list[EncodedPair]:
+    """Every preference line's two sides at full length, in line order (`tokenize_pairs`' costly half)."""
     eos = _eos_id(tokenizer)
     text_idx = [i for i, row in enumerate(rows) if isinstance(row.data["prompt"], str)]
     chat_idx = [i for i, row in enumerate(rows) if not isinstance(row.data["prompt"], str)]
 
-    encoded: list[tuple[list[int], list[int], int, int] | None] = [None] * len(rows)
+    encoded: list[EncodedPair | None] = [None] * len(rows)
     if text_idx:
         take = [rows[i].data for i in text_idx]
         prompts = _encode_texts(tokenizer, [d["prompt"] for d in take])
@@ -278,12 +308,18 @@ def tokenize_pairs(
             _check_prefix(p, c, row, path, "chosen")
             _check_prefix(p, r, row, path, "rejected")
             encoded[i] = (c, r, len(p), len(p))
+    return encoded  # type: ignore[return-value]  # every position filled above
 
+
+def cut_pairs(
+    encoded: Sequence[EncodedPair], max_seq_len: int
+) -> tuple[list[TokenizedPair], TokenizeStats, list[int]]:
+    """`encode_pairs`' lines with both sides cut to `max_seq_len` tokens; a pair left without an
+    answer token on a side, or with both sides the same, is dropped. With the kept positions."""
     pairs: list[TokenizedPair] = []
+    kept: list[int] = []
     num_truncated = num_dropped = num_tokens = num_loss_tokens = 0
-    for item in encoded:
-        assert item is not None
-        c, r, pc, pr = item
+    for i, (c, r, pc, pr) in enumerate(encoded):
         if len(c) > max_seq_len or len(r) > max_seq_len:
             num_truncated += 1
             c, r = c[:max_seq_len], r[:max_seq_len]
@@ -292,6 +328,7 @@ def tokenize_pairs(
             num_dropped += 1
             continue
         pairs.append(TokenizedPair(tuple(c), tuple(r), pc, pr))
+        kept.append(i)
         num_tokens += len(c) + len(r)
         num_loss_tokens += len(c) - pc + len(r) - pr
     stats = TokenizeStats(
@@ -301,7 +338,7 @@ def tokenize_pairs(
         num_tokens=num_tokens,
         num_loss_tokens=num_loss_tokens,
     )
-    return pairs, stats
+    return pairs, stats, kept
 
 
 # --- tokenizer helpers ------------------------------------------------------------
@@ -405,24 +442,3 @@ def _where(path: Path | None, row: Row) -> str:
         return row.location
     return f"{path}:{row.line}" if path is not None else f"line {row.line}"
 
-
-ItemT = TypeVar("ItemT")
-StatsT = TypeVar("StatsT")
-
-
-def tokenize_aligned(
-    tokenize: Callable[[list[Row]], tuple[list[ItemT], StatsT]], rows: list[Row]
-) -> tuple[list[ItemT], StatsT, list[Row]]:
-    """`tokenize(rows) -> (items, stats)`, plus the rows that survived, aligned with items.
-
-    Tokenizers drop rows left without loss tokens after truncation; per-row
-    fields (labels, margins) must follow the survivors. The common case (no
-    drops) costs one batched call; otherwise rows are re-tokenized one by one.
-    """
-    items, stats = tokenize(rows)
-    if len(items) == len(rows):
-        return items, stats, rows
-    kept = [row for row in rows if tokenize([row])[0]]
-    if len(kept) != len(items):
-        raise AlgorithmError(f"internal: {len(kept)} rows kept but {len(items)} items tokenized")
-    return items, stats, kept
