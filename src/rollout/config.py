@@ -271,8 +271,10 @@ class TorchrunDistributedConfig(StrictModel):
 
 
 class RayDistributedConfig(StrictModel):
-    """`kind = "ray"`: one learner (this process) and rollout worker actors on a Ray cluster
-    (`rollout.rl.ray_rollout`; GRPO and PPO).
+    """`kind = "ray"`: a learner and rollout worker actors on a Ray cluster
+    (`rollout.rl.ray_rollout`; GRPO and PPO). The learner is this process, or with
+    `num_learners` > 1 a group of learner actors that train as torchrun's ranks do, over one
+    torch.distributed process group (`rollout.rl.ray_learners`; GRPO).
 
     Each worker has its own engine, rewards and env, and takes leases of prompt groups from the
     learner's queue as it frees up (work stealing); a lease a worker does not return in time, or
@@ -300,6 +302,23 @@ class RayDistributedConfig(StrictModel):
     lease_timeout_s: float = Field(
         600.0, gt=0, le=86400,
         description="A lease not returned in this long is given to another worker (the first result counts).",
+    )
+    num_learners: int = Field(
+        1, ge=1, le=1024,
+        description="Learner processes: 1 trains in this process; more start learner actors, one torch.distributed"
+        " rank each (gloo on CPU, NCCL on CUDA), each training its slice of every micro-batch (GRPO).",
+    )
+    num_cpus_per_learner: float = Field(1.0, ge=0, le=1024, description="CPUs Ray reserves for each learner actor.")
+    num_gpus_per_learner: float = Field(
+        0.0, ge=0, le=64, description="GPUs Ray reserves for each learner actor (> 0: it trains on cuda)."
+    )
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="How learner actors share the model (num_learners > 1): fsdp (FSDP2 `fully_shard`) or ddp"
+        " (DistributedDataParallel; LoRA runs only here).",
+    )
+    timeout_s: float = Field(
+        1800.0, gt=0, le=86400, description="Learner actors' collective timeout (num_learners > 1)."
     )
 
     @field_validator("address")

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,6 +144,20 @@ def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
         raise located_error(source, ["inference", "engine"],
                             f'rollout workers run the hf engine, not "{cfg.inference.engine}" (kind = "ray")')
     _check_group_rewards(cfg, source=source, where="rollout worker")
+    dist, kind, s = cfg.distributed, cfg.algorithm.kind, cfg.algorithm.settings
+    if dist.num_learners == 1:
+        return
+    if kind != "grpo":
+        raise located_error(source, ["distributed", "num_learners"],
+                            f"a learner actor group trains grpo; {kind} trains in one learner process (use 1)")
+    if s.off_policy_steps:
+        raise located_error(
+            source, ["algorithm", kind, "off_policy_steps"],
+            "generating the next batch while training is not implemented with num_learners > 1 (use 0)",
+        )
+    if s.lora is not None and dist.sharding == "fsdp":
+        raise located_error(source, ["distributed", "sharding"],
+                            'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)')
 
 
 def _check_group_rewards(cfg: RunConfig, *, source: Path, where: str) -> None:
@@ -276,12 +291,13 @@ LOCAL = Distributed()
 
 
 def join_process_group(dist: DistributedConfig, *, device: Literal["auto", "cpu", "cuda"]) -> Distributed:
-    """This process's `Distributed`: `LOCAL` for kind = "local" and "ray" (one learner process;
-    the rollout workers are Ray actors); under torchrun, the process group joined (NCCL on CUDA,
+    """This process's `Distributed`: `LOCAL` for kind = "local" and for "ray" with one learner
+    (this process; the rollout workers are Ray actors); under torchrun, or in a Ray learner actor
+    (`rollout.rl.ray_learners` sets the same variables), the process group joined (NCCL on CUDA,
     gloo on CPU) with the config's collective timeout."""
     under = under_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist.kind in ("local", "ray"):
+    if dist.kind == "local" or (dist.kind == "ray" and dist.num_learners == 1):
         if under and world > 1:
             raise ConfigError(
                 f'started by a launcher with WORLD_SIZE={world} but [distributed] kind = "{dist.kind}":'
@@ -289,9 +305,9 @@ def join_process_group(dist: DistributedConfig, *, device: Literal["auto", "cpu"
             )
         return LOCAL
     if not under:
-        raise ConfigError(
-            '[distributed] kind = "torchrun": start it with `rollout train` (which launches torchrun) or torchrun'
-        )
+        how = ("`rollout train` (which launches torchrun) or torchrun" if dist.kind == "torchrun" else
+               "`rollout train` (which starts the learner actors)")
+        raise ConfigError(f'[distributed] kind = "{dist.kind}": start it with {how}')
     import torch
     import torch.distributed as tdist
 
@@ -301,7 +317,7 @@ def join_process_group(dist: DistributedConfig, *, device: Literal["auto", "cpu"
         torch.cuda.set_device(local_rank)  # "cuda" in the recipes means this rank's device from now on
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=dist.timeout_s))
-    if rank == 0:
+    if rank == 0 and threading.current_thread() is threading.main_thread():
         # torchrun SIGTERMs the ranks still alive when one fails: end the run as failed, not silently
         signal.signal(signal.SIGTERM, _terminated)
     return Distributed(rank=rank, world_size=world, local_rank=local_rank, sharding=dist.sharding)

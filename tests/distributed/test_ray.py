@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from dist_helpers import assert_close_runs
 from ray_plugins import KILL_FLAG_ENV
+from safetensors.torch import load as load_safetensors
 
 from rollout.config import RayDistributedConfig, load_config, parse_config
 from rollout.errors import ConfigError
@@ -61,16 +63,19 @@ class Final(NamedTuple):
     digest: str
     metrics: list
     events: list
+    weights: dict
 
 
 def _final(cfg, run_id) -> Final:
-    """The final snapshot's model digest (its blob read back, verified), the run's metrics and events."""
+    """The final snapshot's model digest and tensors (its blob read back, verified), the run's
+    metrics and events."""
     store = open_store("embedded", path=cfg.storage.embedded.path)
     objects = open_object_store("fs", path=cfg.storage.objects.path)
     try:
         [snap] = [s for s in store.list_snapshots(run_id=run_id, kind="train_state") if s.step == N]
-        read_snapshot_blob(objects, snap, "model")  # the blob is there and matches its digest
-        return Final(snap.manifest["blobs"]["model"]["digest"], store.read_metrics(run_id), store.read_events(run_id))
+        weights = load_safetensors(read_snapshot_blob(objects, snap, "model"))  # there, and matching its digest
+        return Final(snap.manifest["blobs"]["model"]["digest"], store.read_metrics(run_id), store.read_events(run_id),
+                     weights)
     finally:
         store.close()
 
@@ -193,6 +198,59 @@ def test_ray_ppo_weights_match_local(cluster, prompts_inputs, tmp_path):
     assert [e.fields["workers"] for e in events if e.name == "rollout_workers_started"] == [2]
 
 
+# --------------------------------------------------------------------------- learner actors
+
+
+def test_two_learner_actors_train_as_one_process(cluster, local_run, prompts_inputs, tmp_path):
+    """`num_learners = 2`: two learner actors (FSDP2 over gloo), learner 0's rollout worker makes
+    every round: the local run's rewards, and its losses and weights up to float reassociation
+    (the gradients are summed over the learners), as torchrun's ranks."""
+    from rollout.cli.train import run_training
+
+    learners = RAY.replace("num_rollout_workers = 2", "num_rollout_workers = 1") + "num_learners = 2\n"
+    cfg = load_config(_config(tmp_path, prompts_inputs, learners))
+    result = run_training(cfg, None)  # what `rollout train grpo` runs after its plan
+    run = _final(cfg, result.run_id)
+    assert _values(run.metrics, "rollout/reward_mean") == _values(local_run.metrics, "rollout/reward_mean")
+    losses = {m.step: m.value for m in run.metrics if m.name == "train/loss"}
+    local_losses = {m.step: m.value for m in local_run.metrics if m.name == "train/loss"}
+    assert_close_runs(local_losses, losses, local_run.weights, run.weights, loss_atol=1e-6)
+    assert [e.fields for e in run.events if e.name == "process_group"] == [{"world_size": 2, "sharding": "fsdp"}]
+    assert sum(_values(run.metrics, "rollout/worker/0/groups")) == 3 * N  # learner 0's worker made every group
+    assert [e.fields["workers"] for e in run.events if e.name == "rollout_workers_started"] == [1]
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    try:
+        assert [r.id for r in store.list_runs()] == [result.run_id]  # learner 0 alone wrote
+        row = store.get_run(result.run_id)
+        assert row.status == "succeeded"
+        assert row.config_digest == cfg.digest()  # the learners validated the driver's config again, unchanged
+    finally:
+        store.close()
+    _assert_all_cpus_free()  # the learner and worker actors ended with the run
+
+
+def test_a_failing_learner_ends_the_group_promptly(cluster, prompts_inputs, tmp_path):
+    """Learner 0 refuses a resume id it can't find while learner 1 waits on it in a collective: the
+    driver kills learner 1 at once (not after the collective timeout) and raises learner 0's own
+    error, which the CLI prints as one line (exit 2)."""
+    from rollout.cli.train import run_training
+    from rollout.errors import SnapshotNotFound
+
+    cfg = load_config(_config(tmp_path, prompts_inputs, RAY + "num_learners = 2\ntimeout_s = 600\n"))
+    started = time.monotonic()
+    with pytest.raises(SnapshotNotFound, match="0123456789abcdef"):
+        run_training(cfg, "0123456789abcdef")
+    assert time.monotonic() - started < 60
+    _assert_all_cpus_free()  # both learner actors are gone
+
+
+def _assert_all_cpus_free(timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == 4, ray.available_resources()
+
+
 # --------------------------------------------------------------------------- plan-time errors
 
 
@@ -237,6 +295,26 @@ def test_ray_block_defaults_and_plan_checks(prompts_inputs, tmp_path):
         '[distributed]\nkind = "local"\n', RAY), source=ROOT / "examples" / "sft-tiny.toml")
     with pytest.raises(ConfigError, match='distributed.kind: "ray" is not implemented for sft'):
         check_runtime(sft, source=ROOT / "examples" / "sft-tiny.toml")
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("ppo", {}, r"distributed.num_learners: a learner actor group trains grpo; ppo trains in one learner process"),
+        ("grpo", {"off_policy_steps = 0": "off_policy_steps = 1"},
+         r"algorithm.grpo.off_policy_steps: generating the next batch while training"),
+        ("grpo", {"off_policy_steps = 0": "off_policy_steps = 0\nlora = { r = 4 }"},
+         r'distributed.sharding: LoRA runs under sharding = "ddp" only'),
+    ],
+)
+def test_learner_group_plan_checks(kind, extra, message, prompts_inputs, tmp_path):
+    from rollout.cli.config_cmds import check_runtime
+
+    path = _config(tmp_path, prompts_inputs, RAY + "num_learners = 2\n", extra, kind=kind)
+    cfg = load_config(path)
+    assert (cfg.distributed.num_learners, cfg.distributed.sharding, cfg.distributed.timeout_s) == (2, "fsdp", 1800.0)
+    with pytest.raises(ConfigError, match=r"run.toml:\d+: " + message):
+        check_runtime(cfg, source=path)
 
 
 def test_worker_engines_get_the_runs_engine_settings(prompts_inputs, tmp_path):

@@ -27,7 +27,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import cli_env, distributed_block, planned_run_cli, run_id_of, train_cli, write_config
+from dist_helpers import (
+    assert_close_runs,
+    cli_env,
+    distributed_block,
+    planned_run_cli,
+    run_id_of,
+    train_cli,
+    write_config,
+)
 from safetensors.torch import load as load_safetensors
 
 from rollout.config import load_config
@@ -35,7 +43,6 @@ from rollout.snapshots import read_snapshot_blob
 from rollout.store import open_object_store, open_store
 
 N = 4  # steps; snapshots at N/2 and N
-REL = 1e-5
 
 
 def _trained(config: Path, run_id: str) -> tuple[str, dict[int, float], dict, dict]:
@@ -58,24 +65,6 @@ def _train_local(config: Path, resume: str | None = None) -> str:
 
     cfg = load_config(config)
     return ALGORITHMS[cfg.algorithm.kind].load_train()(cfg, resume=resume).run_id
-
-
-def _assert_close(
-    losses_a: dict[int, float], losses_b: dict[int, float], weights_a: dict, weights_b: dict, *, atol: float = 1e-5,
-    loss_atol: float = 0.0,
-) -> None:
-    assert sorted(losses_a) == sorted(losses_b)
-    for step in losses_a:
-        assert losses_b[step] == pytest.approx(losses_a[step], rel=REL, abs=loss_atol), f"step {step}"
-    assert weights_a.keys() == weights_b.keys()
-    outside = 0
-    for name in weights_a:
-        assert weights_a[name].shape == weights_b[name].shape, name
-        # every element within 5 x atol, and all but about one in 10,000 within 1e-5: on some CPUs a
-        # lone element lands at ~2e-5 after 4 steps (1.9e-5 seen, o_proj) while the losses agree to 1e-7
-        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=5 * atol, msg=name)
-        outside += int(((weights_b[name] - weights_a[name]).abs() > 1e-5).sum())
-    assert outside <= sum(w.numel() for w in weights_a.values()) // 10_000  # 1e-5 for all but a few
 
 
 def _sft_extra(dest: Path, inputs) -> str:
@@ -117,7 +106,7 @@ def test_sft_two_ranks_match_one_process(sft_runs):
     status_two, losses_two, snaps_two, weights_two = _trained(two, run_two)
     assert status_one == status_two == "succeeded"
     assert sorted(losses_two) == list(range(1, N + 1)) and sorted(snaps_two) == [N // 2, N]
-    _assert_close(losses_one, losses_two, weights_one, weights_two)
+    assert_close_runs(losses_one, losses_two, weights_one, weights_two)
     assert losses_two[N] < losses_two[1]  # it trained
     # rank 0 alone wrote: one run, one events file
     store = open_store("embedded", path=load_config(two).storage.embedded.path)
@@ -155,7 +144,7 @@ def test_world_size_2_snapshot_resumes_at_1_and_at_2(sft_runs, inputs):
     resumed = _train_local(local, resume=middle[:12])
     _, losses_r1, snaps_r1, weights_r1 = _trained(local, resumed)
     assert sorted(snaps_r1) == [N]
-    _assert_close({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1)
+    assert_close_runs({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1)
     assert sorted(losses_r1) == list(range(N // 2 + 1, N + 1))
 
     # world size 2 again: byte-identical to the uninterrupted world-size-2 run
@@ -182,7 +171,7 @@ def test_preference_two_ranks_match_one_process(kind, sharding, inputs, tmp_path
     assert status_one == status_two == "succeeded"
     # RM: Adam turns the float noise of a few near-zero gradients into up to ~lr-sized differences
     # (6 of 1.05M weights beyond 1e-5 here, the largest 1e-4, while the losses agree to 1e-7)
-    _assert_close(losses_one, losses_two, weights_one, weights_two, atol=5e-4 if kind == "rm" else 1e-5)
+    assert_close_runs(losses_one, losses_two, weights_one, weights_two, atol=5e-4 if kind == "rm" else 1e-5)
     assert losses_two[N] != losses_two[1]  # it trained
 
 
@@ -341,7 +330,7 @@ def test_grpo_two_ranks_match_one_process(grpo_runs):
     assert _rewards(two, run_two) == _rewards(one, run_one)
     # the first step on a batch has ratio 1: its loss is -mean(advantage) = 0 up to rounding (~1e-7),
     # plus beta x KL (0 at step 1, ~1e-3 at step 3, where the ranks' sums differ by ~5e-8)
-    _assert_close(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
+    assert_close_runs(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
     assert min(abs(losses_two[s]) for s in (2, 4)) > 1e-3  # the second one is not
     store = open_store("embedded", path=load_config(two).storage.embedded.path)
     try:
@@ -371,7 +360,7 @@ def test_grpo_world_size_2_resumes_at_2_and_at_1(grpo_runs, inputs):
     resumed = _train_local(local, resume=middle[:12])
     _, losses_r1, _, weights_r1 = _trained(local, resumed)
     assert sorted(losses_r1) == list(range(N // 2 + 1, N + 1))
-    _assert_close({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1, loss_atol=1e-6)
+    assert_close_runs({s: losses_one[s] for s in losses_r1}, losses_r1, weights_one, weights_r1, loss_atol=1e-6)
 
 
 def test_grpo_micro_batches_of_one_row_on_two_ddp_ranks(inputs, tmp_path):
@@ -387,5 +376,5 @@ def test_grpo_micro_batches_of_one_row_on_two_ddp_ranks(inputs, tmp_path):
     status, losses_two, _, weights_two = _trained(two, run_two)
     assert status == "succeeded"
     assert _rewards(two, run_two) == _rewards(one, run_one)
-    _assert_close(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
+    assert_close_runs(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
     assert min(abs(losses_two[s]) for s in (2, 4)) > 1e-3

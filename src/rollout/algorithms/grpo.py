@@ -16,7 +16,9 @@ Under `[distributed] kind = "torchrun"` each rank makes its share of every round
 own engine and the ranks exchange them (`rollout.rl.torchrun_rollout`), so every rank holds the
 whole batch and computes the same advantages, normaliser and metrics; each micro-batch's rows are
 then split over the ranks (`rank_rows`) and the gradients summed (FSDP2 / DDP,
-`rollout.distributed`): a step is one process's step up to float reassociation.
+`rollout.distributed`): a step is one process's step up to float reassociation. Ray learner
+actors (`num_learners` > 1, `rollout.rl.ray_learners`) train the same way; learner 0's rollout
+workers make every round and the others receive it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.episode import TRUNCATED
 from rollout.rl.manager import GroupSpec, RolloutManager
+from rollout.rl.ray_learners import Rank0Groups
 from rollout.rl.ray_rollout import build_rollout_engine
 from rollout.rl.torchrun_rollout import RankGroups, rank_share
 from rollout.run import (
@@ -162,10 +165,13 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
     rollout_engine = build_rollout_engine(
         cfg, base_model, group=group, rewards=s.rewards, env=s.env, device=device,
         weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id, on_event=lambda name, fields: rec.event(name, **fields),
+        rank=ctx.dist.rank,
     )
     episodes = episode_setup(s.env, tokenizer)
     group_runner = rollout_engine.group_runner
-    if ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
+    if ctx.dist.active and cfg.distributed.kind == "ray":  # Ray learners: learner 0's workers make each round
+        group_runner = Rank0Groups(group_runner, ctx.dist)
+    elif ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
         assert rollout_engine.sampler is not None
         group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
                                   dist=ctx.dist)

@@ -76,8 +76,13 @@ def run_training(cfg: RunConfig, resume: str | None) -> TrainResult | None:
             "a pipeline's stages do not start torchrun yet: run the stage with `rollout train <kind> --config F`"
             " or `rollout run --plan LOCK` (both launch themselves through torchrun)"
         )
-    train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
-    result = train(cfg, resume=resume)
+    if cfg.distributed.kind == "ray" and cfg.distributed.num_learners > 1 and not under_launcher():
+        from rollout.rl.ray_learners import run_learner_group
+
+        result = run_learner_group(cfg, resume)  # learner actors run the recipe; learner 0's result
+    else:
+        train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
+        result = train(cfg, resume=resume)
     if os.environ.get("RANK", "0") != "0":
         return None  # rank 0 reports the run
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))

@@ -60,6 +60,7 @@ from rollout.rl.manager import Group, GroupSpec, RoundItem
 if TYPE_CHECKING:
     from rollout.algorithms.rl_common import SamplingEngine
     from rollout.config import RunConfig
+    from rollout.rl.ray_learners import FollowerRollout
 
 WORKER_ID_ENV = "ROLLOUT_WORKER_ID"
 """Set in each worker's process: its index (reward functions and envs may read it)."""
@@ -408,19 +409,23 @@ def worker_spec(cfg: RunConfig, base_model: Any, *, group: GroupSpec, rewards: S
 def build_rollout_engine(
     cfg: RunConfig, base_model: Any, *, group: GroupSpec, rewards: Sequence[Any],
     env: Any, device: Any, weights_dir: Path, run_id: str,
-    on_event: Callable[[str, dict[str, Any]], None] | None = None,
-) -> SamplingEngine | RayRollout:
+    on_event: Callable[[str, dict[str, Any]], None] | None = None, rank: int = 0,
+) -> SamplingEngine | RayRollout | FollowerRollout:
     """The rollout side of an RL run: this process's engine (`build_engine`; each torchrun rank's
     own, made batch-invariant: `rollout.rl.torchrun_rollout`), or, under
     `[distributed] kind = "ray"`, rollout worker actors that make the manager's groups
-    (`rollout.rl.ray_rollout`); either has `sampler`, `weight_sync`, `group_runner` and `close()`."""
+    (`rollout.rl.ray_rollout`), started by learner 0 of a learner group (`rank`; the others get a
+    `FollowerRollout`); each has `sampler`, `weight_sync`, `group_runner` and `close()`."""
     from rollout.algorithms.rl_common import build_engine
     from rollout.config import RayDistributedConfig
+    from rollout.rl.ray_learners import FollowerRollout
 
     dist = cfg.distributed
     if not isinstance(dist, RayDistributedConfig):  # torchrun ranks always sample batch-invariantly
         return build_engine(base_model, inference=cfg.inference, device=device, weights_dir=weights_dir,
                             batch_invariant=cfg.backend.batch_invariant or dist.kind == "torchrun")
+    if rank != 0:
+        return FollowerRollout()
     spec = worker_spec(cfg, base_model, group=group, rewards=rewards, env=env)
     return RayRollout(
         spec, num_workers=dist.num_rollout_workers, address=dist.address, num_cpus_per_worker=dist.num_cpus_per_worker,
