@@ -93,17 +93,19 @@ def announce_run(run_id: str) -> None:
 
 def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
     """Plan-time checks of a torchrun config: each micro-batch splits evenly over the ranks, and
-    LoRA asks for DDP; GRPO's ranks sample with the hf engine, on-policy (a batch generated ahead
-    would exchange groups while the ranks train), and every reward scores a group on its own."""
+    LoRA asks for DDP (as does PPO: its policy and value models are not sharded together); GRPO's
+    and PPO's ranks sample with the hf engine, on-policy (a batch generated ahead would exchange
+    groups while the ranks train), and every reward scores a group on its own."""
     from rollout.config import TorchrunDistributedConfig
     from rollout.config_base import located_error
 
     dist, kind, s = cfg.distributed, cfg.algorithm.kind, cfg.algorithm.settings
     assert isinstance(dist, TorchrunDistributedConfig)
     world = dist.nproc_per_node * dist.nnodes
+    samples = kind in ("grpo", "ppo")
     if s.minibatch_size % world:
-        what = "prompts" if kind == "grpo" else "rows"
-        how = "each rank samples an equal share of a step's prompts" if kind == "grpo" else (
+        what = "prompts" if samples else "rows"
+        how = "each rank samples an equal share of a step's prompts" if samples else (
             "each micro-batch is shared out evenly")
         raise located_error(
             source, ["algorithm", kind, "minibatch_size"],
@@ -114,7 +116,11 @@ def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
         raise located_error(
             source, ["distributed", "sharding"], 'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)'
         )
-    if kind != "grpo":
+    if kind == "ppo" and dist.sharding == "fsdp":
+        raise located_error(source, ["distributed", "sharding"],
+                            'ppo runs under sharding = "ddp" (FSDP2 of its policy and value models together is not'
+                            ' implemented)')
+    if not samples:
         return
     if cfg.inference is not None and cfg.inference.engine != "hf":
         raise located_error(source, ["inference", "engine"],
@@ -584,9 +590,11 @@ class DistributedBackend:
 def build_backend(
     model: torch.nn.Module, dist: Distributed, *, device: torch.device, total_steps: int,
     max_grad_norm: float | None, optimizer: Mapping[str, Any], scheduler: Mapping[str, Any],
+    param_groups: Sequence[dict[str, Any]] | None = None,
 ) -> TorchBackend | DistributedBackend:
     """`build_torch_backend` for a local run; under torchrun the model wrapped first (FSDP2 replaces
-    the parameters), then the optimizer over the wrapped parameters."""
+    the parameters), then the optimizer over the wrapped parameters. `param_groups` (torch's form)
+    replaces `model.parameters()`; DDP keeps the parameters, so its groups are the same objects."""
     from rollout.backends.torch_backend import (
         build_torch_backend,
         lr_multiplier,
@@ -597,11 +605,13 @@ def build_backend(
     if not dist.active:
         return build_torch_backend(
             model, device=device, total_steps=total_steps, max_grad_norm=max_grad_norm, optimizer=optimizer,
-            scheduler=scheduler,
+            scheduler=scheduler, param_groups=param_groups,
         )
+    if dist.sharding == "fsdp" and param_groups is not None:
+        raise ConfigError("parameter groups (ppo's value_lr) under sharding = \"fsdp\" are not supported: use \"ddp\"")
     if dist.sharding == "fsdp" and hasattr(model, "peft_config"):
         raise ConfigError('LoRA under [distributed] sharding = "fsdp" is not supported yet: use sharding = "ddp"')
     step = wrap_for_training(model, dist)
-    opt = make_optimizer(model.parameters(), **optimizer)
+    opt = make_optimizer(param_groups if param_groups is not None else model.parameters(), **optimizer)
     sched = make_lr_schedule(opt, lambda i: lr_multiplier(i, total_steps=total_steps, **scheduler))
     return DistributedBackend(model, step, opt, sched, device=device, max_grad_norm=max_grad_norm, dist=dist)

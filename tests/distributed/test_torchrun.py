@@ -269,34 +269,41 @@ GRPO_SMALL = {
 }
 
 
+PPO_SMALL = {
+    **{k: v for k, v in GRPO_SMALL.items() if k.split(" =")[0] not in ("max_steps", "dynamic_sampling", "beta")},
+    "max_steps = 200": f"max_steps = {N}",
+}
+
+
 def _grpo_config(
-    dest: Path, inputs, distributed: str, store: Path | None = None, extra: dict[str, str] | None = None
+    dest: Path, inputs, distributed: str, store: Path | None = None, extra: dict[str, str] | None = None,
+    kind: str = "grpo",
 ) -> Path:
-    """examples/grpo-tiny.toml, small (4 prompts x 4 samples a step, 2 micro-batches), on the tiny
-    model, one torch thread, batch-invariant sampling, under `distributed`; then `extra`'s
-    replacements."""
-    text = (ROOT / "examples" / "grpo-tiny.toml").read_text()
-    for old, new in {**GRPO_SMALL, **(extra or {})}.items():
+    """examples/<kind>-tiny.toml (grpo or ppo), small (4 prompts x 4 samples a step, 2 micro-batches),
+    on the tiny model, one torch thread, batch-invariant sampling, under `distributed`; then
+    `extra`'s replacements."""
+    text = (ROOT / "examples" / f"{kind}-tiny.toml").read_text()
+    for old, new in {**(GRPO_SMALL if kind == "grpo" else PPO_SMALL), **(extra or {})}.items():
         assert old in text, old
         text = text.replace(old, new)
     store = store or dest
     text = text.replace('"../local/models/sft-warmup"', f'"{inputs.model}"')
     text = text.replace('"../local/data/arithmetic/prompts.jsonl"', f'"{inputs.sft.parent / "prompts.jsonl"}"')
-    text = text.replace('"../local/models/grpo-tiny"', f'"{dest}/export"')
+    text = text.replace(f'"../local/models/{kind}-tiny"', f'"{dest}/export"')
     text = text.replace('"../local/', f'"{store}/')
     text = text.replace('[distributed]\nkind = "local"\n',
                         f'[backend]\nnum_threads = 1\nbatch_invariant = true\n\n{distributed}')
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "grpo.toml").write_text(text)
-    return dest / "grpo.toml"
+    (dest / f"{kind}.toml").write_text(text)
+    return dest / f"{kind}.toml"
 
 
-def _grpo_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`rollout train grpo` in a fresh process; the ranks import the reward from ray_plugins here."""
+def _grpo_cli(config: Path, *args: str, kind: str = "grpo") -> subprocess.CompletedProcess[str]:
+    """`rollout train grpo` (or `kind`) in a fresh process; the ranks import the reward from ray_plugins here."""
     env = cli_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
     return subprocess.run(
-        [sys.executable, "-m", "rollout.cli.main", "train", "grpo", "--config", str(config), *args],
+        [sys.executable, "-m", "rollout.cli.main", "train", kind, "--config", str(config), *args],
         env=env, capture_output=True, text=True, timeout=300,
     )
 
@@ -378,3 +385,40 @@ def test_grpo_micro_batches_of_one_row_on_two_ddp_ranks(inputs, tmp_path):
     assert _rewards(two, run_two) == _rewards(one, run_one)
     assert_close_runs(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
     assert min(abs(losses_two[s]) for s in (2, 4)) > 1e-3
+
+
+# --------------------------------------------------------------------------- PPO
+
+
+def test_ppo_two_ddp_ranks_match_one_process(inputs, tmp_path):
+    """PPO (policy and value model, value_lr's own parameter group) on 2 DDP ranks: the ranks sample
+    half of every round each and evaluate the whole batch alike, so the rewards are one process's,
+    and the losses and weights agree up to the summed gradients' float reassociation."""
+    one = _grpo_config(tmp_path / "one", inputs, distributed_block(None), kind="ppo")
+    two = _grpo_config(tmp_path / "two", inputs, distributed_block(2, "ddp"), kind="ppo")
+    out = _grpo_cli(two, kind="ppo")
+    run_two = run_id_of(out)
+    run_one = _train_local(one)
+    _, losses_one, _, weights_one = _trained(one, run_one)
+    status, losses_two, snaps_two, weights_two = _trained(two, run_two)
+    assert status == "succeeded" and sorted(snaps_two) == [N // 2, N]
+    assert _rewards(two, run_two) == _rewards(one, run_one)
+    assert_close_runs(losses_one, losses_two, weights_one, weights_two, loss_atol=1e-6)
+    assert min(abs(v) for v in losses_two.values()) > 1e-4  # the value loss: never zero
+    assert any(name.startswith("value.") for name in weights_two)  # the snapshot holds the value model too
+    store = open_store("embedded", path=load_config(two).storage.embedded.path)
+    try:
+        metrics = store.read_metrics(run_two)
+    finally:
+        store.close()
+    by_rank = [[m.value for m in metrics if m.name == f"rollout/rank/{r}/groups"] for r in (0, 1)]
+    assert by_rank == [[2.0] * N, [2.0] * N]  # each rank made half of every step's groups
+
+
+def test_ppo_under_fsdp_is_refused_at_plan_time(inputs, tmp_path):
+    from rollout.cli.config_cmds import check_runtime
+    from rollout.errors import ConfigError
+
+    path = _grpo_config(tmp_path, inputs, distributed_block(2, "fsdp"), kind="ppo")
+    with pytest.raises(ConfigError, match=r'ppo.toml:\d+: distributed.sharding: ppo runs under sharding = "ddp"'):
+        check_runtime(load_config(path), source=path)

@@ -13,7 +13,11 @@ Schulman et al. (2017); the RLHF form of Ziegler et al. (2019) / Ouyang et al.
             (after each: a config's `[eval]` on the policy, when due)
   sync      push the policy's weights to the engine; snapshot
 Under `[distributed] kind = "ray"` rollout worker actors sample and score the groups
-(`rollout.rl.ray_rollout`); everything else stays in this process.
+(`rollout.rl.ray_rollout`); everything else stays in this process. Under `kind = "torchrun"`
+(DDP) each rank samples its share of every round and the ranks exchange them, as GRPO's do
+(`rollout.rl.torchrun_rollout`); every rank then evaluates the whole batch (old log-probs,
+values, reference, GAE and whitening: the same numbers on each) and trains on its slice of every
+micro-batch, the gradients summed over the ranks (`rollout.distributed`).
 The value model is the base model with a scalar head on every position (a
 `…ForSequenceClassification` whose score layer is applied per token); policy
 and value train together under one optimizer.
@@ -22,6 +26,7 @@ and value train together under one optimizer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +45,11 @@ from rollout.algorithms.rl_common import (
     set_up_rollout_engine,
     snapshot_rl,
 )
-from rollout.backends.torch_backend import build_torch_backend, pick_device
+from rollout.backends.torch_backend import pick_device
 from rollout.checkpoint import model_file_blobs, snapshot_due
 from rollout.config import RunConfig
 from rollout.data.prepared import read_rows_prepared
+from rollout.distributed import Distributed, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
 from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss, whiten
@@ -53,6 +59,7 @@ from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import GroupSpec, RolloutManager
 from rollout.rl.ray_rollout import build_rollout_engine
+from rollout.rl.torchrun_rollout import RankGroups, rank_share
 from rollout.rl.types import Sample
 from rollout.run import (
     RunContext,
@@ -147,11 +154,16 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
         on_event=lambda name, fields: rec.event(name, **fields),
     )
+    episodes = episode_setup(s.env, tokenizer)
+    group_runner = rollout_engine.group_runner
+    if ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
+        assert rollout_engine.sampler is not None
+        group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
+                                  dist=ctx.dist)
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns, group=group,
         prompts_per_batch=s.minibatch_size, max_staleness=s.max_staleness,
-        on_event=lambda name, fields: rec.event(name, **fields), episodes=episode_setup(s.env, tokenizer),
-        group_runner=rollout_engine.group_runner,
+        on_event=lambda name, fields: rec.event(name, **fields), episodes=episodes, group_runner=group_runner,
     )
 
     policy = load_trainable(
@@ -167,8 +179,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     groups = None
     if s.value_lr is not None:  # the value model learns at its own rate; the schedule scales both
         groups = [{"params": list(policy.parameters())}, {"params": list(value.parameters()), "lr": s.value_lr}]
-    backend = build_torch_backend(
-        model, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
+    backend = build_backend(  # the torch backend, under DDP with torchrun
+        model, ctx.dist, device=device, total_steps=total_steps, max_grad_norm=s.max_grad_norm,
         optimizer=s.optimizer.model_dump(), scheduler=s.scheduler.model_dump(), param_groups=groups,
     )
     static_blobs = model_file_blobs(policy, tokenizer)
@@ -219,9 +231,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                         advantages = whiten(advantages, mask)
                 rows_ = list(range(len(samples)))
                 chunks = [c for c in (rows_[i :: s.gradient_accumulation] for i in range(s.gradient_accumulation)) if c]
-                micro = [
-                    PPOBatch(rows.select(c), old_logps[c], old_values[c], advantages[c], returns[c]) for c in chunks
-                ]
+                micro = [_micro_batch(rows, c, old_logps, old_values, advantages, returns, ctx.dist) for c in chunks]
                 normalizer = float(mask.sum())
                 loss_fn = make_ppo_loss_fn(s, normalizer)
                 for _ in range(s.num_iterations):
@@ -232,6 +242,8 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
                         for k, v in (await backend.forward_backward(m, loss_fn)).items():
                             agg[k] = agg.get(k, 0.0) + v
                     result = await backend.optim_step()
+                    if ctx.dist.active:  # every rank's sums (each counted its own slice)
+                        agg = dict(zip(sorted(agg), ctx.dist.sum([agg[k] for k in sorted(agg)]), strict=True))
                     loop.step += 1
                     step_tokens = rows.num_row_tokens
                     loop.tokens_seen += step_tokens
@@ -266,6 +278,22 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         rollout_engine.close()
     return await finish_training(ctx, backend, policy, tokenizer, loop, export_dir=s.export.dir if s.export else None,
                                  static_blobs=static_blobs, extra=extra, metrics=last)
+
+
+def _micro_batch(rows: Any, idx: list[int], old_logps: Any, old_values: Any, advantages: Any, returns: Any,
+                 dist: Distributed) -> PPOBatch:
+    """Rows `idx` of the evaluated batch; under torchrun this rank's contiguous share of them. Every
+    rank must run a forward/backward per micro-batch (DDP's all-reduce), so a rank whose share is
+    empty (fewer rows than ranks) takes the first row with no token counted."""
+    counted = True
+    if dist.active:
+        share = rank_share(len(idx), dist.rank, dist.world_size)
+        counted = share.stop > share.start
+        idx = idx[share.start : share.stop] if counted else idx[:1]
+    selected = rows.select(idx)
+    if not counted:
+        selected = dataclasses.replace(selected, loss_mask=torch.zeros_like(selected.target_mask))
+    return PPOBatch(selected, old_logps[idx], old_values[idx], advantages[idx], returns[idx])
 
 
 def _policy_export(backend: Any) -> Any:

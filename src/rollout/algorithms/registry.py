@@ -118,7 +118,7 @@ BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec(
             "ppo", PPOConfig, "prompt", "rollout.algorithms.ppo:train_ppo",
             "PPO with a value head, GAE and a KL penalty in the reward.",
-            distributed=("local", "ray"),
+            distributed=("local", "torchrun", "ray"),
         ),
     )
 }
