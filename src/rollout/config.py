@@ -206,11 +206,18 @@ class BackendConfig(StrictModel):
     """Training backend (SPEC section 7).
 
     `kind` is read at plan time (`validate`, `train`): every algorithm runs on
-    `torch`; `mock` (`rollout.backends.mock`, no torch) drives orchestration
+    `torch`; `fsdp` is FSDP2 over the ranks of a `[distributed]` process group
+    (`torchrun`, or Ray with `num_learners` > 1; its `sharding` stays "fsdp"),
+    the same training as `torch` there with the default sharding, named as a
+    backend; `mock` (`rollout.backends.mock`, no torch) drives orchestration
     tests only, and `rollout train` refuses it with a located error.
     """
 
-    kind: Literal["torch", "mock"] = Field("torch", description="torch: real training; mock: no-torch stand-in.")
+    kind: Literal["torch", "fsdp", "mock"] = Field(
+        "torch",
+        description="torch: real training (one device, or each rank under [distributed]); fsdp: FSDP2 over a"
+        " [distributed] process group (torchrun, or ray with num_learners > 1); mock: no-torch stand-in.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when available.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
     cpu_matmul: Literal["torch", "onednn"] = Field(

@@ -122,7 +122,7 @@ def test_unimplemented_backend_kind_is_refused_before_training(command, tmp_path
     config = write_config(tmp_path / "run.toml", overrides={"backend": {"kind": "mock"}})
     result = run_cli(*command, "--config", config)
     line = line_of(config, 'kind = "mock"')
-    expected = f'{config}:{line}: backend.kind: "mock" is not implemented for sft (use "torch")'
+    expected = f'{config}:{line}: backend.kind: "mock" is not implemented for sft (use "torch" or "fsdp")'
     assert_user_error(result, expected, exact=True)
     assert_no_runs(tmp_path / "store" / "rollout.db")
 

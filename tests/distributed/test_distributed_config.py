@@ -135,7 +135,12 @@ def test_validate_refuses_what_torchrun_cannot_run(inputs, tmp_path):
     (tmp_path / "ppo.toml").write_text(ppo.replace('"../local/', f'"{ROOT}/local/'))
     out = _validate(tmp_path / "ppo.toml")
     assert out.returncode == 2
-    assert 'distributed.kind: "torchrun" is not implemented for ppo' in out.stderr
+    assert 'distributed.sharding: ppo runs under sharding = "ddp"' in out.stderr  # FSDP2, the default: not for ppo
+    (tmp_path / "ppo.toml").write_text(ppo.replace('"../local/', f'"{ROOT}/local/').replace(
+        torchrun, torchrun + '\nsharding = "ddp"'))
+    from rollout.cli.config_cmds import check_runtime
+
+    check_runtime(load_config(tmp_path / "ppo.toml"), source=tmp_path / "ppo.toml")  # ddp: ppo runs
 
     grpo = (ROOT / "examples" / "grpo-tiny.toml").read_text().replace('[distributed]\nkind = "local"', torchrun)
     grpo = grpo.replace('"../local/', f'"{ROOT}/local/')
@@ -193,3 +198,33 @@ def test_a_torchrun_config_started_in_process_fails_before_any_run(inputs, tmp_p
         assert store.list_runs() == []
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "distributed", "message"),
+    [
+        ("sft", None, 'backend.kind: "fsdp" shards the model over a process group: set [distributed] kind = "torchrun"'),
+        ("sft", "ddp", 'distributed.sharding: "ddp" contradicts [backend] kind = "fsdp"'),
+        ("sft", "fsdp", None),
+        ("dpo", "fsdp", None),
+    ],
+)
+def test_fsdp_backend_needs_ranks_and_fsdp_sharding(kind, distributed, message, inputs, tmp_path):
+    """`[backend] kind = "fsdp"` (SPEC 7's name for FSDP2): over torchrun's ranks, not in one process,
+    and not beside `sharding = "ddp"`."""
+    block = distributed_block(2, distributed) if distributed else distributed_block(None)
+    path = write_config(tmp_path, kind, inputs, distributed=block, max_steps=2, every_steps=2)
+    path.write_text(path.read_text() + '\n[backend]\nkind = "fsdp"\n')
+    out = _validate(path)
+    if message is None:
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_fsdp_backend_is_not_ppos(tmp_path):
+    ppo = (ROOT / "examples" / "ppo-tiny.toml").read_text().replace(
+        '[distributed]\nkind = "local"', '[backend]\nkind = "fsdp"\n[distributed]\nkind = "torchrun"\nnproc_per_node = 2')
+    (tmp_path / "ppo.toml").write_text(ppo.replace('"../local/', f'"{ROOT}/local/'))
+    out = _validate(tmp_path / "ppo.toml")
+    assert out.returncode == 2 and 'backend.kind: "fsdp" is not implemented for ppo (use "torch")' in out.stderr

@@ -94,26 +94,26 @@ BUILTIN_ALGORITHMS: dict[str, AlgorithmSpec] = {
     for spec in (
         AlgorithmSpec(
             "sft", SFTConfig, "sft", "rollout.algorithms.sft:train_sft", "Supervised fine-tuning.",
-            distributed=("local", "torchrun"),
+            backends=("torch", "fsdp"), distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "rm", RMConfig, "preference", "rollout.algorithms.rm:train_rm", "Bradley–Terry reward model.",
-            generates=False, distributed=("local", "torchrun"),
+            generates=False, backends=("torch", "fsdp"), distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "dpo", DPOConfig, "preference", "rollout.algorithms.dpo:train_dpo",
             "Direct preference optimisation (loss_type sigmoid | ipo | hinge | robust).",
-            distributed=("local", "torchrun"),
+            backends=("torch", "fsdp"), distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "kto", KTOConfig, "kto", "rollout.algorithms.kto:train_kto",
             "Kahneman–Tversky optimisation on unpaired good/bad completions.",
-            distributed=("local", "torchrun"),
+            backends=("torch", "fsdp"), distributed=("local", "torchrun"),
         ),
         AlgorithmSpec(
             "grpo", GRPOConfig, "prompt", "rollout.algorithms.grpo:train_grpo",
             "Group relative policy optimisation against rewards / a verifiable env.",
-            distributed=("local", "torchrun", "ray"),
+            backends=("torch", "fsdp"), distributed=("local", "torchrun", "ray"),
         ),
         AlgorithmSpec(
             "ppo", PPOConfig, "prompt", "rollout.algorithms.ppo:train_ppo",

@@ -60,6 +60,8 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
         if kind not in implemented:
             choices = " or ".join(f'"{k}"' for k in implemented)
             raise located_error(source, [block, "kind"], f'"{kind}" is not implemented for {spec.kind} (use {choices})')
+    if cfg.backend.kind == "fsdp":
+        _check_fsdp_backend(cfg, source=source)
     if cfg.distributed.kind == "torchrun":
         from rollout.distributed import check_torchrun
 
@@ -68,6 +70,22 @@ def check_runtime(cfg: RunConfig, *, source: Path) -> None:
         from rollout.distributed import check_ray
 
         check_ray(cfg, source=source)
+
+
+def _check_fsdp_backend(cfg: RunConfig, *, source: Path) -> None:
+    """`[backend] kind = "fsdp"` needs ranks to shard over, and no other sharding named for them."""
+    from rollout.config_base import located_error
+
+    dist = cfg.distributed
+    if dist.kind == "local" or (dist.kind == "ray" and dist.num_learners == 1):
+        raise located_error(
+            source, ["backend", "kind"],
+            '"fsdp" shards the model over a process group: set [distributed] kind = "torchrun" (or "ray" with'
+            ' num_learners > 1), or use kind = "torch" in one process',
+        )
+    if dist.sharding != "fsdp":
+        raise located_error(source, ["distributed", "sharding"],
+                            f'"{dist.sharding}" contradicts [backend] kind = "fsdp" (drop one of them)')
 
 
 def check_model_path(cfg: RunConfig) -> None:
