@@ -281,7 +281,7 @@ class RayDistributedConfig(StrictModel):
     """`kind = "ray"`: a learner and rollout worker actors on a Ray cluster
     (`rollout.rl.ray_rollout`; GRPO and PPO). The learner is this process, or with
     `num_learners` > 1 a group of learner actors that train as torchrun's ranks do, over one
-    torch.distributed process group (`rollout.rl.ray_learners`; GRPO).
+    torch.distributed process group (`rollout.rl.ray_learners`; GRPO and PPO).
 
     Each worker has its own engine, rewards and env, and takes leases of prompt groups from the
     learner's queue as it frees up (work stealing); a lease a worker does not return in time, or
@@ -313,7 +313,8 @@ class RayDistributedConfig(StrictModel):
     num_learners: int = Field(
         1, ge=1, le=1024,
         description="Learner processes: 1 trains in this process; more start learner actors, one torch.distributed"
-        " rank each (gloo on CPU, NCCL on CUDA), each training its slice of every micro-batch (GRPO).",
+        " rank each (gloo on CPU, NCCL on CUDA), each training its slice of every micro-batch (GRPO; PPO with"
+        ' sharding = "ddp").',
     )
     num_cpus_per_learner: float = Field(1.0, ge=0, le=1024, description="CPUs Ray reserves for each learner actor.")
     num_gpus_per_learner: float = Field(

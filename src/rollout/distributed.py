@@ -153,9 +153,13 @@ def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
     dist, kind, s = cfg.distributed, cfg.algorithm.kind, cfg.algorithm.settings
     if dist.num_learners == 1:
         return
-    if kind != "grpo":
+    if kind not in ("grpo", "ppo"):
         raise located_error(source, ["distributed", "num_learners"],
-                            f"a learner actor group trains grpo; {kind} trains in one learner process (use 1)")
+                            f"a learner actor group trains grpo and ppo; {kind} trains in one learner process (use 1)")
+    if kind == "ppo" and dist.sharding == "fsdp":
+        raise located_error(source, ["distributed", "sharding"],
+                            'ppo runs under sharding = "ddp" (FSDP2 of its policy and value models together is not'
+                            ' implemented)')
     if s.off_policy_steps:
         raise located_error(
             source, ["algorithm", kind, "off_policy_steps"],

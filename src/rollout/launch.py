@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -37,8 +37,11 @@ def torchrun_command(dist: TorchrunDistributedConfig, args: Sequence[str]) -> li
     return [*cmd, "-m", "rollout.cli.main", *args]
 
 
-def launch_torchrun(cfg: RunConfig, args: Sequence[str], *, resume: str | None = None) -> int:
-    """Run `rollout <args>` under torch.distributed.run; returns its exit status.
+def launch_torchrun(
+    cfg: RunConfig, args: Sequence[str], *, resume: str | None = None, env: Mapping[str, str] | None = None
+) -> int:
+    """Run `rollout <args>` under torch.distributed.run (`env` added to this process's environment);
+    returns its exit status.
 
     `resume` (the snapshot id in `args`) is looked up first, so a bad id fails before any process
     starts. When the job fails and rank 0 could not end the run itself (it was the rank killed, or
@@ -53,8 +56,8 @@ def launch_torchrun(cfg: RunConfig, args: Sequence[str], *, resume: str | None =
             store.close()
     with tempfile.TemporaryDirectory(prefix="rollout-torchrun-") as tmp:
         id_file = Path(tmp) / "run-id"
-        env = {**os.environ, RUN_ID_FILE_ENV: str(id_file)}
-        proc = subprocess.Popen(torchrun_command(cfg.distributed, args), env=env)
+        proc = subprocess.Popen(torchrun_command(cfg.distributed, args),
+                                env={**os.environ, **(env or {}), RUN_ID_FILE_ENV: str(id_file)})
         try:
             status = proc.wait()
         except KeyboardInterrupt:  # torchrun got the same SIGINT (one process group): let it stop its ranks

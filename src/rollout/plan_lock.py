@@ -278,6 +278,16 @@ def locked_config(lock: Mapping[str, Any], *, source: Path) -> RunConfig:
     return cfg
 
 
+LOCK_CHECKED_ENV = "ROLLOUT_LOCK_CHECKED"
+"""Set by `rollout run --plan` for the torchrun ranks it starts: `lock_stamp` of the lock it has
+just checked on this host, so each rank need not hash every pinned file again."""
+
+
+def lock_stamp(path: Path) -> str:
+    """blake3 of the lock file's bytes (a lock edited after the launcher's check stamps otherwise)."""
+    return blake3.blake3(Path(path).read_bytes()).hexdigest()
+
+
 def check_lock(path: Path, *, device_identity: Mapping[str, Any] | None = None) -> tuple[RunConfig, list[Drift]]:
     """The locked config and everything that differs from the lock: each pinned file (changed,
     missing, or a new file the run would read), package versions and, when given, the device."""

@@ -215,6 +215,39 @@ def test_an_unchanged_lock_passes_its_check_and_a_new_model_file_does_not(
     assert [d.message for d in drift] == [f"{extra}: a model file that was not there when planned"]
 
 
+def test_ranks_started_by_run_plan_do_not_hash_the_pinned_files_again(
+    planned: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rollout run --plan` checks the lock, then starts torchrun with `ROLLOUT_LOCK_CHECKED` set to
+    the lock's stamp: its ranks take the config without hashing every pinned file again. A rank
+    whose stamp does not match the lock (another lock, or none: a bare `torchrun`) checks it."""
+    import rollout.cli.plan as plan_cli
+    import rollout.plan_lock as plan_lock
+    from rollout.errors import ConfigError
+
+    monkeypatch.syspath_prepend(str(planned["root"] / "plugins"))
+    ran, hashed = [], []
+    monkeypatch.setattr(plan_cli, "run_training", lambda cfg, resume: ran.append(cfg.algorithm.kind))
+    digest_file = plan_lock.digest_file
+    monkeypatch.setattr(plan_lock, "digest_file", lambda path: hashed.append(path) or digest_file(path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(plan_lock.LOCK_CHECKED_ENV, plan_lock.lock_stamp(planned["lock"]))
+    plan_cli.run(planned["lock"], None)
+    assert ran == ["grpo"] and hashed == []
+
+    monkeypatch.setenv(plan_lock.LOCK_CHECKED_ENV, "0" * 64)  # not this lock's stamp: the rank checks
+    data = planned["dataset"]
+    original = data.read_bytes()
+    data.write_bytes(original + b"\n")
+    try:
+        with pytest.raises(ConfigError, match="dataset file changed since planning"):
+            plan_cli.run(planned["lock"], None)
+    finally:
+        data.write_bytes(original)
+    assert ran == ["grpo"] and len(hashed) >= 6  # every pinned file hashed (the config, model, tokenizer, ...)
+
+
 # --------------------------------------------------------------------------- data and lengths
 
 

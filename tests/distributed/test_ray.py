@@ -181,13 +181,21 @@ def test_killed_worker_groups_rerun_elsewhere(cluster, local_run, prompts_inputs
     _assert_same_run(ray_run, local_run, losses=False)  # the re-run groups: the same numbers
 
 
-def test_ray_ppo_weights_match_local(cluster, prompts_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def ppo_local_run(prompts_inputs, tmp_path_factory):
+    from rollout.algorithms.ppo import train_ppo
+
+    cfg = load_config(_config(tmp_path_factory.mktemp("ppo-local"), prompts_inputs, '[distributed]\nkind = "local"\n',
+                              kind="ppo"))
+    return _final(cfg, train_ppo(cfg).run_id)
+
+
+def test_ray_ppo_weights_match_local(cluster, ppo_local_run, prompts_inputs, tmp_path):
     """PPO (policy and value model in the learner) with 2 rollout workers: the same weights as one
     batch-invariant process."""
     from rollout.algorithms.ppo import train_ppo
 
-    local = load_config(_config(tmp_path / "local", prompts_inputs, '[distributed]\nkind = "local"\n', kind="ppo"))
-    local_run = _final(local, train_ppo(local).run_id)
+    local_run = ppo_local_run
     cfg = load_config(_config(tmp_path / "ray", prompts_inputs, RAY, kind="ppo"))
     ray_run = _final(cfg, train_ppo(cfg).run_id)
     metrics, events = ray_run.metrics, ray_run.events
@@ -201,21 +209,25 @@ def test_ray_ppo_weights_match_local(cluster, prompts_inputs, tmp_path):
 # --------------------------------------------------------------------------- learner actors
 
 
-def test_two_learner_actors_train_as_one_process(cluster, local_run, prompts_inputs, tmp_path):
-    """`num_learners = 2`: two learner actors (FSDP2 over gloo), learner 0's rollout worker makes
-    every round: the local run's rewards, and its losses and weights up to float reassociation
-    (the gradients are summed over the learners), as torchrun's ranks."""
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_two_learner_actors_train_as_one_process(kind, cluster, local_run, ppo_local_run, prompts_inputs, tmp_path):
+    """`num_learners = 2`: two learner actors (GRPO: FSDP2, PPO: DDP, over gloo), learner 0's rollout
+    worker makes every round: the local run's rewards, and its losses and weights up to float
+    reassociation (the gradients are summed over the learners), as torchrun's ranks."""
     from rollout.cli.train import run_training
 
-    learners = RAY.replace("num_rollout_workers = 2", "num_rollout_workers = 1") + "num_learners = 2\n"
-    cfg = load_config(_config(tmp_path, prompts_inputs, learners))
-    result = run_training(cfg, None)  # what `rollout train grpo` runs after its plan
+    sharding = "fsdp" if kind == "grpo" else "ddp"
+    learners = RAY.replace("num_rollout_workers = 2", "num_rollout_workers = 1") + (
+        f'num_learners = 2\nsharding = "{sharding}"\n')
+    cfg = load_config(_config(tmp_path, prompts_inputs, learners, kind=kind))
+    local_run = local_run if kind == "grpo" else ppo_local_run
+    result = run_training(cfg, None)  # what `rollout train <kind>` runs after its plan
     run = _final(cfg, result.run_id)
     assert _values(run.metrics, "rollout/reward_mean") == _values(local_run.metrics, "rollout/reward_mean")
     losses = {m.step: m.value for m in run.metrics if m.name == "train/loss"}
     local_losses = {m.step: m.value for m in local_run.metrics if m.name == "train/loss"}
     assert_close_runs(local_losses, losses, local_run.weights, run.weights, loss_atol=1e-6)
-    assert [e.fields for e in run.events if e.name == "process_group"] == [{"world_size": 2, "sharding": "fsdp"}]
+    assert [e.fields for e in run.events if e.name == "process_group"] == [{"world_size": 2, "sharding": sharding}]
     assert sum(_values(run.metrics, "rollout/worker/0/groups")) == 3 * N  # learner 0's worker made every group
     assert [e.fields["workers"] for e in run.events if e.name == "rollout_workers_started"] == [1]
     store = open_store("embedded", path=cfg.storage.embedded.path)
@@ -300,7 +312,7 @@ def test_ray_block_defaults_and_plan_checks(prompts_inputs, tmp_path):
 @pytest.mark.parametrize(
     ("kind", "extra", "message"),
     [
-        ("ppo", {}, r"distributed.num_learners: a learner actor group trains grpo; ppo trains in one learner process"),
+        ("ppo", {}, r'distributed.sharding: ppo runs under sharding = "ddp"'),
         ("grpo", {"off_policy_steps = 0": "off_policy_steps = 1"},
          r"algorithm.grpo.off_policy_steps: generating the next batch while training"),
         ("grpo", {"off_policy_steps = 0": "off_policy_steps = 0\nlora = { r = 4 }"},

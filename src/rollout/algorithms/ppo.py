@@ -13,11 +13,13 @@ Schulman et al. (2017); the RLHF form of Ziegler et al. (2019) / Ouyang et al.
             (after each: a config's `[eval]` on the policy, when due)
   sync      push the policy's weights to the engine; snapshot
 Under `[distributed] kind = "ray"` rollout worker actors sample and score the groups
-(`rollout.rl.ray_rollout`); everything else stays in this process. Under `kind = "torchrun"`
-(DDP) each rank samples its share of every round and the ranks exchange them, as GRPO's do
-(`rollout.rl.torchrun_rollout`); every rank then evaluates the whole batch (old log-probs,
-values, reference, GAE and whitening: the same numbers on each) and trains on its slice of every
-micro-batch, the gradients summed over the ranks (`rollout.distributed`).
+(`rollout.rl.ray_rollout`); everything else stays in this process, or in Ray learner actors
+(`num_learners` > 1, `rollout.rl.ray_learners`), which get learner 0's rounds. Under
+`kind = "torchrun"` (DDP) each rank samples its share of every round and the ranks exchange
+them, as GRPO's do (`rollout.rl.torchrun_rollout`). Either way every rank then evaluates the
+whole batch (old log-probs, values, reference, GAE and whitening: the same numbers on each) and
+trains on its slice of every micro-batch, the gradients summed over the ranks
+(`rollout.distributed`).
 The value model is the base model with a scalar head on every position (a
 `…ForSequenceClassification` whose score layer is applied per token); policy
 and value train together under one optimizer.
@@ -58,6 +60,7 @@ from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_lo
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import GroupSpec, RolloutManager
+from rollout.rl.ray_learners import Rank0Groups
 from rollout.rl.ray_rollout import build_rollout_engine
 from rollout.rl.torchrun_rollout import RankGroups, rank_share
 from rollout.rl.types import Sample
@@ -152,11 +155,13 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
     rollout_engine = build_rollout_engine(  # this process's engine, or Ray rollout workers
         cfg, base_model, group=group,
         rewards=s.rewards, env=s.env, device=device, weights_dir=ctx.run_dir / "weights", run_id=ctx.run.id,
-        on_event=lambda name, fields: rec.event(name, **fields),
+        on_event=lambda name, fields: rec.event(name, **fields), rank=ctx.dist.rank,
     )
     episodes = episode_setup(s.env, tokenizer)
     group_runner = rollout_engine.group_runner
-    if ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
+    if ctx.dist.active and cfg.distributed.kind == "ray":  # Ray learners: learner 0's workers make each round
+        group_runner = Rank0Groups(group_runner, ctx.dist)
+    elif ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
         assert rollout_engine.sampler is not None
         group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
                                   dist=ctx.dist)

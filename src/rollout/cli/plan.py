@@ -13,6 +13,7 @@ imported inside the commands only.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -76,19 +77,22 @@ def run(plan_file: Path = PLAN, resume: str | None = RESUME) -> None:
         typer.echo(f"plan {plan_file}: every pinned file, package and the device unchanged")
         run_pipeline(plan_file, lock, run_training, typer.echo)
         return
-    cfg = locked_config(lock, source=plan_file)
-    device = probe_device(cfg.backend.device)
-    cfg, drift = check_lock(plan_file, device_identity=device.identity())
-    _refuse_drift(plan_file, drift)
     from rollout.distributed import under_launcher
+    from rollout.plan_lock import LOCK_CHECKED_ENV, lock_stamp
 
-    if not under_launcher():  # torchrun's ranks check the lock again, quietly
+    cfg = locked_config(lock, source=plan_file)
+    if not (under_launcher() and os.environ.get(LOCK_CHECKED_ENV) == lock_stamp(plan_file)):
+        # (torchrun's ranks skip this when the `run --plan` that started them checked this very lock)
+        device = probe_device(cfg.backend.device)
+        cfg, drift = check_lock(plan_file, device_identity=device.identity())
+        _refuse_drift(plan_file, drift)
+    if not under_launcher():
         typer.echo(f"plan {plan_file}: every pinned file, package and the device unchanged")
         if cfg.distributed.kind == "torchrun":  # one process per rank, as `rollout train` starts them
             from rollout.launch import launch_torchrun
 
             args = ["run", "--plan", str(plan_file.resolve()), *(["--resume", resume] if resume else [])]
-            sys.exit(launch_torchrun(cfg, args, resume=resume))
+            sys.exit(launch_torchrun(cfg, args, resume=resume, env={LOCK_CHECKED_ENV: lock_stamp(plan_file)}))
     run_training(cfg, resume)
 
 

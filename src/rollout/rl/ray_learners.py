@@ -1,9 +1,9 @@
-"""A learner actor group on Ray: `[distributed] kind = "ray"` with `num_learners` > 1 (GRPO).
+"""A learner actor group on Ray: `[distributed] kind = "ray"` with `num_learners` > 1 (GRPO, PPO).
 
     [distributed]
     kind = "ray"
     num_learners = 2             # learner actors: one torch.distributed process group (gloo on CPU)
-    sharding = "fsdp"            # or "ddp", as under torchrun
+    sharding = "fsdp"            # or "ddp", as under torchrun (PPO: "ddp")
     num_rollout_workers = 2      # rollout worker actors, as with one learner
 
     rollout train grpo --config run.toml
