@@ -42,6 +42,7 @@ from rollout.algorithms.rl_common import (
     BatchSource,
     episode_setup,
     max_completion_tokens,
+    rank_group_runner,
     require_samples,
     resolve_reward_specs,
     set_up_rollout_engine,
@@ -60,9 +61,8 @@ from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_lo
 from rollout.progress import TrainProgress
 from rollout.rl.buffer import DataBuffer
 from rollout.rl.manager import GroupSpec, RolloutManager
-from rollout.rl.ray_learners import Rank0Groups
 from rollout.rl.ray_rollout import build_rollout_engine
-from rollout.rl.torchrun_rollout import RankGroups, rank_share
+from rollout.rl.torchrun_rollout import rank_share
 from rollout.rl.types import Sample
 from rollout.run import (
     RunContext,
@@ -158,13 +158,7 @@ async def _train(ctx: RunContext, s: PPOConfig) -> TrainResult:
         on_event=lambda name, fields: rec.event(name, **fields), rank=ctx.dist.rank,
     )
     episodes = episode_setup(s.env, tokenizer)
-    group_runner = rollout_engine.group_runner
-    if ctx.dist.active and cfg.distributed.kind == "ray":  # Ray learners: learner 0's workers make each round
-        group_runner = Rank0Groups(group_runner, ctx.dist)
-    elif ctx.dist.active:  # torchrun: each rank makes its share of a round, the ranks exchange them
-        assert rollout_engine.sampler is not None
-        group_runner = RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes,
-                                  dist=ctx.dist)
+    group_runner = rank_group_runner(rollout_engine, ctx.dist, group, reward_fns=reward_fns, episodes=episodes)
     manager = RolloutManager(
         rollout_engine.sampler, data, DataBuffer(len(data), seed=cfg.seed), reward_fns=reward_fns, group=group,
         prompts_per_batch=s.minibatch_size, max_staleness=s.max_staleness,

@@ -256,6 +256,25 @@ def plan_weight_copies(rollout_engine: Any, *, max_completion: int) -> bool:
     return bool(use(max_completion >= PREPACK_MIN_TOKENS)) if use is not None else False
 
 
+def rank_group_runner(
+    rollout_engine: Any, dist: Any, group: Any, *, reward_fns: Sequence[Any], episodes: EpisodeSetup | None
+) -> Any:
+    """The manager's group runner on this learner: the rollout engine's own in one process; on
+    torchrun's ranks each makes its share of a round on its engine and they exchange them
+    (`RankGroups`); in a Ray learner group learner 0's rollout workers make it and the others
+    receive it (`Rank0Groups`: learner 0 has the workers' runner, the others have None)."""
+    from rollout.rl.ray_learners import FollowerRollout, Rank0Groups
+    from rollout.rl.ray_rollout import RayRollout
+    from rollout.rl.torchrun_rollout import RankGroups
+
+    if not dist.active:
+        return rollout_engine.group_runner
+    if isinstance(rollout_engine, RayRollout | FollowerRollout):
+        return Rank0Groups(rollout_engine.group_runner, dist)
+    assert rollout_engine.sampler is not None
+    return RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes, dist=dist)
+
+
 def set_up_rollout_engine(
     rollout_engine: Any, policy: torch.nn.Module, *, pipelined: bool, lora: bool, distributed: bool,
     max_completion: int,
