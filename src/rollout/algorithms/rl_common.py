@@ -263,15 +263,13 @@ def rank_group_runner(
     torchrun's ranks each makes its share of a round on its engine and they exchange them
     (`RankGroups`); in a Ray learner group learner 0's rollout workers make it and the others
     receive it (`Rank0Groups`: learner 0 has the workers' runner, the others have None)."""
-    from rollout.rl.ray_learners import FollowerRollout, Rank0Groups
-    from rollout.rl.ray_rollout import RayRollout
+    from rollout.rl.ray_learners import Rank0Groups
     from rollout.rl.torchrun_rollout import RankGroups
 
     if not dist.active:
         return rollout_engine.group_runner
-    if isinstance(rollout_engine, RayRollout | FollowerRollout):
+    if rollout_engine.sampler is None:  # no engine here: Ray's rollout workers (`RayRollout`, `FollowerRollout`)
         return Rank0Groups(rollout_engine.group_runner, dist)
-    assert rollout_engine.sampler is not None
     return RankGroups(rollout_engine.sampler, group, reward_fns=reward_fns, episodes=episodes, dist=dist)
 
 
