@@ -62,11 +62,11 @@ def launch_torchrun(
             status = proc.wait()
         except KeyboardInterrupt:  # torchrun got the same SIGINT (one process group): let it stop its ranks
             status = proc.wait()
-            _end_orphaned_run(cfg, id_file, "cancelled", "interrupted")
+            end_orphaned_run(cfg, id_file, "cancelled", "interrupted")
             raise
         if status != 0:
             how = f"signal {-status}" if status < 0 else f"exit status {status}"
-            run_id = _end_orphaned_run(
+            run_id = end_orphaned_run(
                 cfg, id_file, "failed", f"a torchrun rank failed (torchrun {how}; the ranks' output names it)"
             )
             which = f"; run {run_id} is marked failed" if run_id else ""
@@ -74,7 +74,7 @@ def launch_torchrun(
     return status if status >= 0 else 128 - status
 
 
-def _end_orphaned_run(cfg: RunConfig, id_file: Path, status: Literal["failed", "cancelled"], error: str) -> str | None:
+def end_orphaned_run(cfg: RunConfig, id_file: Path, status: Literal["failed", "cancelled"], error: str) -> str | None:
     """Give the run rank 0 announced `status` if it is still pending or running; its id (None: no run)."""
     try:
         run_id = id_file.read_text().strip()

@@ -16,7 +16,7 @@ from dist_helpers import cli_env, distributed_block, write_config
 from rollout.config import LocalDistributedConfig, TorchrunDistributedConfig, load_config, parse_config
 from rollout.distributed import LOCAL, Distributed, join_process_group
 from rollout.errors import ConfigError, DistributedError
-from rollout.launch import _end_orphaned_run, torchrun_command
+from rollout.launch import end_orphaned_run, torchrun_command
 from rollout.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,10 +172,10 @@ def test_launcher_marks_a_run_its_ranks_left_running(inputs, tmp_path):
     finally:
         store.close()
     id_file = tmp_path / "run-id"
-    assert _end_orphaned_run(cfg, id_file, "failed", "x") is None  # rank 0 never announced a run
+    assert end_orphaned_run(cfg, id_file, "failed", "x") is None  # rank 0 never announced a run
     for run_id in (left.id, done.id):
         id_file.write_text(run_id)
-        assert _end_orphaned_run(cfg, id_file, "failed", "a torchrun rank failed") == run_id
+        assert end_orphaned_run(cfg, id_file, "failed", "a torchrun rank failed") == run_id
     store = open_store("embedded", path=cfg.storage.embedded.path)
     try:
         assert (store.get_run(left.id).status, store.get_run(left.id).error) == ("failed", "a torchrun rank failed")

@@ -256,6 +256,53 @@ def test_a_failing_learner_ends_the_group_promptly(cluster, prompts_inputs, tmp_
     _assert_all_cpus_free()  # both learner actors are gone
 
 
+def test_a_dead_learner_ends_the_run_as_failed(cluster, prompts_inputs, tmp_path):
+    """Learner 1's process is killed mid-run (`ray.kill`): the run ends as failed, promptly (not after
+    the collective timeout), with a DistributedError: the driver's, naming learner 1, or learner
+    0's own when its collective with the dead learner failed first."""
+    import threading
+
+    from rollout.cli.train import run_training
+    from rollout.errors import DistributedError
+
+    cfg = load_config(_config(tmp_path, prompts_inputs, RAY.replace("num_rollout_workers = 2", "num_rollout_workers = 1")
+                              + "num_learners = 2\n", {"max_steps = 250": "max_steps = 200"}))
+
+    def kill_learner_1_once_training() -> None:
+        db = Path(cfg.storage.embedded.path)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if db.exists():
+                store = open_store("embedded", path=db)
+                try:
+                    runs = store.list_runs()
+                    steps = store.read_metrics(runs[0].id, name="train/loss") if runs else []
+                finally:
+                    store.close()
+                if steps:  # the group trains
+                    [name] = [n for n in ray.util.list_named_actors() if n.startswith("rollout-learners-")
+                              and n.endswith("-1")]
+                    ray.kill(ray.get_actor(name))
+                    return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_learner_1_once_training, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match=r"learner 1 failed: \w+|rank 0: a collective"):
+        run_training(cfg, None)
+    assert time.monotonic() - started < 150
+    killer.join(timeout=5)
+    store = open_store("embedded", path=cfg.storage.embedded.path)
+    try:
+        [run] = store.list_runs()
+        assert run.status == "failed" and run.error, (run.status, run.error)
+        assert len(store.read_metrics(run.id, name="train/loss")) < 200  # it stopped, long before the budget
+    finally:
+        store.close()
+    _assert_all_cpus_free()
+
+
 def _assert_all_cpus_free(timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while ray.available_resources().get("CPU") != 4 and time.monotonic() < deadline:

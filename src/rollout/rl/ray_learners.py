@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import tempfile
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,16 +77,20 @@ def run_learner_group(cfg: RunConfig, resume: str | None) -> TrainResult:
     """Start the learner actors, wait for them, and return learner 0's result (module docstring)."""
     import ray
 
+    from rollout.launch import end_orphaned_run
+
     dist: RayDistributedConfig = cfg.distributed  # type: ignore[assignment]  # run_training checked the kind
     owns_ray = not ray.is_initialized()
     if owns_ray:
         connect_ray(dist)
     actor = ray.remote(Learner)
+    group = uuid.uuid4().hex[:12]  # `ray list actors` shows rollout-learners-<group>-<rank>
     learners = [
         actor.options(  # type: ignore[attr-defined]
-            num_cpus=dist.num_cpus_per_learner, num_gpus=dist.num_gpus_per_learner, max_restarts=0, max_task_retries=0,
+            name=f"rollout-learners-{group}-{rank}", num_cpus=dist.num_cpus_per_learner,
+            num_gpus=dist.num_gpus_per_learner, max_restarts=0, max_task_retries=0,
         ).remote()
-        for _ in range(dist.num_learners)
+        for rank in range(dist.num_learners)
     ]
     try:
         with tempfile.TemporaryDirectory(prefix="rollout-learners-") as tmp:
@@ -99,7 +104,13 @@ def run_learner_group(cfg: RunConfig, resume: str | None) -> TrainResult:
                 })
                 for rank, learner in enumerate(learners)
             ]
-            return _wait_for(futures, learners, cfg, id_file)
+            try:
+                return _wait_for(futures, learners, cfg, id_file)
+            except KeyboardInterrupt:
+                for learner in learners:
+                    ray.kill(learner)
+                end_orphaned_run(cfg, id_file, "cancelled", "interrupted")
+                raise
     finally:
         for learner in learners:
             ray.kill(learner)
@@ -128,6 +139,8 @@ def _wait_for(futures: list[Any], learners: list[Any], cfg: RunConfig, id_file: 
     import ray
     import ray.exceptions
 
+    from rollout.launch import end_orphaned_run
+
     pending = list(futures)
     while pending:
         [done], pending = ray.wait(pending, num_returns=1)
@@ -139,28 +152,12 @@ def _wait_for(futures: list[Any], learners: list[Any], cfg: RunConfig, id_file: 
             rank = futures.index(done)
             cause = getattr(err, "cause", None)
             message = f"learner {rank} failed: {type(cause or err).__name__}: {cause or err}"
-            _mark_failed(cfg, id_file, message)
+            end_orphaned_run(cfg, id_file, "failed", message)  # unless learner 0 ended it itself
             if isinstance(cause, RolloutError):
                 raise cause from None
             raise DistributedError(message) from None
     result: TrainResult = ray.get(futures[0])
     return result
-
-
-def _mark_failed(cfg: RunConfig, id_file: Path, error: str) -> None:
-    """The run learner 0 announced, marked failed if it is still pending or running."""
-    from rollout.run import open_stores
-
-    try:
-        run_id = id_file.read_text().strip()
-    except FileNotFoundError:
-        return  # no run yet (a bad resume id, a config error), or learner 0 is on another node
-    store, _ = open_stores(cfg)
-    try:
-        if store.get_run(run_id).status in ("pending", "running"):
-            store.set_run_status(run_id, "failed", error=error)
-    finally:
-        store.close()
 
 
 class Rank0Groups:
