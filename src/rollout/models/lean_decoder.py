@@ -32,12 +32,14 @@ keys/values are then placed into the left-padded cache the decode steps continue
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rollout.models import cpu_matmul
 from rollout.models.arch import forward_cost, module_tree, sliding_window
@@ -53,8 +55,9 @@ def lean_decoder(
 ) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
     `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`).
-    `invariant`: every product on a fixed number of rows (`INVARIANT_ROWS`), so a row's results do
-    not depend on how many rows share the pass.
+    `invariant`: every product on a fixed number of rows (`INVARIANT_ROWS`) and attention by the
+    math kernel (`INVARIANT_ATTENTION`), so a row's results do not depend on how many rows share
+    the pass.
     `head=False`: hidden states only (`lean_hidden_states`), so a model with another head than
     `lm_head` (a sequence classifier's `score`) runs too."""
     config = getattr(model, "config", None)
@@ -199,7 +202,8 @@ class LeanDecoder:
     after each optimizer step). `set_prepacked` turns them on or off (`PREPACK_MIN_TOKENS`).
 
     With `invariant`, every product runs on exactly `INVARIANT_ROWS` rows of activations (no
-    prepacked copies): what the batch-invariant engine (`hf_engine.BATCH_INVARIANT_PAD`) needs."""
+    prepacked copies) and attention on `INVARIANT_ATTENTION`'s kernel: what the batch-invariant
+    engine (`hf_engine.BATCH_INVARIANT_PAD`) needs."""
 
     def __init__(self, model: Any, *, prepacked: bool = False, invariant: bool = False) -> None:
         if prepacked and invariant:
@@ -220,9 +224,10 @@ class LeanDecoder:
         keys/values. Returns the logits [rows, vocab] of the last position, in the model's dtype."""
         x, cos, sin = self._embed(ids, positions)
         attn_mask = _attention_mask(mask, ids.shape[1])
-        for i, layer in enumerate(self.model.model.layers):
-            cached = cache.layers[i]
-            x = self._layer(layer, lambda k, v, c=cached: _append(c, k, v), x, cos, sin, attn_mask)
+        with sdpa_kernel(INVARIANT_ATTENTION) if self.invariant else contextlib.nullcontext():
+            for i, layer in enumerate(self.model.model.layers):
+                cached = cache.layers[i]
+                x = self._layer(layer, lambda k, v, c=cached: _append(c, k, v), x, cos, sin, attn_mask)
         return self._logits(x[:, -1])
 
     def packs(self, lengths: Sequence[int], width: int) -> bool:
@@ -393,6 +398,14 @@ def _views_of(keys: torch.Tensor, values: torch.Tensor, buffers: tuple[torch.Ten
         for t, b in ((keys, buffers[0]), (values, buffers[1]))
     )
 
+
+INVARIANT_ATTENTION = SDPBackend.MATH
+"""The attention kernel of a batch-invariant `LeanDecoder`. The CPU flash kernel gave a row other
+bits when the rows before it in its thread's share of the batch changed: an AMD EPYC with AVX2 at
+two threads, decoding 4 rows alone or as the first 4 of 40, rows 0-1 equal and rows 2-3 (thread
+1's first when alone) off in the last bits, while the same rows' queries, keys and values were
+equal. The math kernel (products per row and head, softmax per row) gave the same bits both ways,
+at ~10% more time for the tiny model's engine."""
 
 INVARIANT_ROWS = (24, 96)
 """Activation rows per product of a batch-invariant `LeanDecoder`: a pass of one token a row (a
