@@ -51,7 +51,8 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
     if not under_launcher():
         from rollout.plan import make_plan
 
-        for warning in make_plan(config, config=cfg, pin=False, hand_off=True).warnings:
+        here = cfg.distributed.kind == "local" or (cfg.distributed.kind == "ray" and cfg.distributed.num_learners == 1)
+        for warning in make_plan(config, config=cfg, pin=False, hand_off=here).warnings:  # the recipe runs here
             typer.echo(f"warning: {warning}", err=True)
 
     if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
