@@ -112,14 +112,7 @@ def check_torchrun(cfg: RunConfig, *, source: Path) -> None:
             f"{s.minibatch_size} {what} do not split over {world} ranks (nproc_per_node x nnodes):"
             f" {how}, so use a multiple of the world size",
         )
-    if s.lora is not None and dist.sharding == "fsdp":
-        raise located_error(
-            source, ["distributed", "sharding"], 'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)'
-        )
-    if kind == "ppo" and dist.sharding == "fsdp":
-        raise located_error(source, ["distributed", "sharding"],
-                            'ppo runs under sharding = "ddp" (FSDP2 of its policy and value models together is not'
-                            ' implemented)')
+    _check_fsdp_sharding(cfg, source=source)
     if not samples:
         return
     if cfg.inference is not None and cfg.inference.engine != "hf":
@@ -156,18 +149,29 @@ def check_ray(cfg: RunConfig, *, source: Path, find_spec: Any = None) -> None:
     if kind not in ("grpo", "ppo"):
         raise located_error(source, ["distributed", "num_learners"],
                             f"a learner actor group trains grpo and ppo; {kind} trains in one learner process (use 1)")
-    if kind == "ppo" and dist.sharding == "fsdp":
-        raise located_error(source, ["distributed", "sharding"],
-                            'ppo runs under sharding = "ddp" (FSDP2 of its policy and value models together is not'
-                            ' implemented)')
+    _check_fsdp_sharding(cfg, source=source)
     if s.off_policy_steps:
         raise located_error(
             source, ["algorithm", kind, "off_policy_steps"],
             "generating the next batch while training is not implemented with num_learners > 1 (use 0)",
         )
-    if s.lora is not None and dist.sharding == "fsdp":
+
+
+def _check_fsdp_sharding(cfg: RunConfig, *, source: Path) -> None:
+    """What FSDP2 (`sharding = "fsdp"`, torchrun's ranks or Ray's learners) does not train yet:
+    LoRA adapters, and PPO's policy and value models together."""
+    from rollout.config_base import located_error
+
+    if cfg.distributed.sharding != "fsdp":
+        return
+    if cfg.algorithm.settings.lora is not None:
+        raise located_error(
+            source, ["distributed", "sharding"], 'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)'
+        )
+    if cfg.algorithm.kind == "ppo":
         raise located_error(source, ["distributed", "sharding"],
-                            'LoRA runs under sharding = "ddp" only (FSDP2 + LoRA is not implemented)')
+                            'ppo runs under sharding = "ddp" (FSDP2 of its policy and value models together is not'
+                            ' implemented)')
 
 
 def _check_group_rewards(cfg: RunConfig, *, source: Path, where: str) -> None:
