@@ -35,8 +35,10 @@ threads sleep at once), which steadies figures on a machine that other processes
 made every 2-thread figure ~1.5-2x slower for both sides on the 2-core VMs and hid a slowdown
 only spinning threads showed (two OpenMP teams waking each other: benchmarks/README.md).
 
-Writes `benchmarks/results/<date>-<host>.md` (the table, versions, load average) and
-`.json` (every repeat's figures) unless `--no-write`.
+Writes `benchmarks/results/<date>-<host>.md` (the table, versions, load average, and which kind
+of machine it is: `machine.py`'s CPU, vector ISA, caches and one-thread kernel figures, measured
+first) and `.json` (every repeat's figures) unless `--no-write`. The startup table also times the
+references beside `rollout --help` (`python -c pass`, `import typer`, a bare typer app's `--help`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import add_cpu_matmul_arg
+from machine import summary_line
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -94,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="set OMP_WAIT_POLICY=PASSIVE (default: unset, OpenMP's spinning, as users run)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
     p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--worker", choices=JOBS, help=argparse.SUPPRESS)  # one job, one thread count
+    p.add_argument("--worker", choices=("machine", *JOBS), help=argparse.SUPPRESS)  # one job, one thread count
     p.add_argument("--budget-s", type=float, default=600.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
@@ -353,12 +356,18 @@ def gen_quiet() -> Any:
     return quiet_stderr()
 
 
+def job_machine(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import machine
+
+    return {"machine": {"cpu": machine.describe_cpu(), "calibration": machine.calibrate()}}
+
+
 def job_startup(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import startup
 
     config = str(startup.prepare_config(work))
     env = startup.child_env(work / "pycache")
-    commands = {"--help": startup.rollout_command("--help"),
+    commands = {**startup.reference_commands(), "--help": startup.rollout_command("--help"),
                 "validate": startup.rollout_command("validate", "--config", config)}
     for command in commands.values():
         startup.run_once(command, env)  # warm-up: file cache, .pyc files
@@ -375,15 +384,15 @@ def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.path.insert(0, str(HERE))
-    if args.worker != "startup":
+    if args.worker not in ("machine", "startup"):
         import datasets
         import transformers
 
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
-    job = {"startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed, "dpo": job_dpo, "rm": job_rm_kto,
-           "kto": job_rm_kto, "grpo": job_grpo, "grpo-learn": job_grpo, "generation": job_generation, "serving": job_serving,
-           "multiturn": job_multiturn}[args.worker]
+    job = {"machine": job_machine, "startup": job_startup, "sft": job_sft, "sft-mixed": job_sft_mixed,
+           "dpo": job_dpo, "rm": job_rm_kto, "kto": job_rm_kto, "grpo": job_grpo, "grpo-learn": job_grpo,
+           "generation": job_generation, "serving": job_serving, "multiturn": job_multiturn}[args.worker]
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.worker}-") as tmp:
         result = job(args, Path(tmp))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -484,6 +493,7 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
            f"{meta['versions']}; {meta['cpus']} cpus; mode {meta['mode']}; OMP_WAIT_POLICY {meta['omp']}; "
            f"{'' if meta.get('cpu_matmul', 'torch') == 'torch' else 'rollout cpu_matmul ' + meta['cpu_matmul'] + '; '}"
            f"load average {meta['load_before']} before, {meta['load_after']} after; {meta['minutes']:.1f} min.", "",
+           *([f"Machine: {summary_line(meta['cpu'], meta['calibration'])}", ""] if "cpu" in meta else []),
            "Figures: min / median / max over the repeats. Ratio: median of the per-repeat ratios "
            "(sides run back to back, order alternating), [min-max] in brackets.", "",
            "| job | threads | unit | rollout | peer | bare | ratio | median ratio [min-max] | target | met | "
@@ -530,8 +540,10 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
                 "|---|---:|---:|---:|---:|---:|---:|---|"]
         for name, v in startup.items():
             w, c = _spread(v["wall"]), _spread(v["cpu"])
-            out.append(f"| rollout {name} | {w['min']:.3f} | {w['median']:.3f} | {w['max']:.3f} | {c['min']:.3f} | "
-                       f"{c['median']:.3f} | < 0.3 s | {'yes' if w['median'] < 0.3 else 'NO'} |")
+            ours = name in ("--help", "validate")
+            verdict = ("yes" if w["median"] < 0.3 else "NO") if ours else ""
+            out.append(f"| {'rollout ' + name if ours else name} | {w['min']:.3f} | {w['median']:.3f} | {w['max']:.3f} | "
+                       f"{c['min']:.3f} | {c['median']:.3f} | {'< 0.3 s' if ours else 'reference'} | {verdict} |")
     return "\n".join(out) + "\n"
 
 
@@ -555,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.perf_counter(), os.getloadavg()
     budget = args.budget_min * 60
     results: dict[int, dict[str, Any]] = {t: {} for t in args.threads}
+    print("== machine", flush=True)
+    machine = run_worker("machine", 1, 0, args)["machine"]
     startup = None
     if "startup" in args.only:
         print("== startup", flush=True)
@@ -572,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_matmul": args.cpu_matmul,
             "load_before": " ".join(f"{x:.2f}" for x in load_before),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "minutes": (time.perf_counter() - started) / 60}
+            "minutes": (time.perf_counter() - started) / 60, **machine}
     text = render_markdown(rows, startup, meta)
     print("\n" + text)
     if not args.no_write:

@@ -76,6 +76,17 @@ def prepare_config(work: Path) -> Path:
     return config
 
 
+def reference_commands() -> dict[str, list[str]]:
+    """The references beside `rollout --help` on this machine: the interpreter, importing typer, and a
+    bare typer app with as many commands drawing its help screen (typer and rich, without the imports
+    rollout's CLI defers, so `rollout --help` can come in under it)."""
+    return {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "python -c 'import typer'": [sys.executable, "-c", "import typer"],
+        "bare typer app --help": [sys.executable, "-c", TYPER_APP],
+    }
+
+
 def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one run; the CPU time is this child's alone (runs are sequential)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -123,9 +134,7 @@ def main() -> None:
         config = str(args.config or prepare_config(Path(tmp)))
         env = child_env(Path(tmp) / "pycache")
         commands = {
-            "python -c pass": [sys.executable, "-c", "pass"],
-            "python -c 'import typer'": [sys.executable, "-c", "import typer"],
-            "bare typer app --help": [sys.executable, "-c", TYPER_APP],
+            **reference_commands(),
             "rollout --help": rollout_command("--help"),
             "rollout validate --no-data": rollout_command("validate", "--config", config, "--no-data"),
             "rollout validate": rollout_command("validate", "--config", config),
