@@ -70,41 +70,29 @@ def calibrate() -> dict[str, float]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights] if _has_onednn() else []
     decode_x, train_x, train_w = torch.randn(16, 640), torch.randn(288, 128), torch.randn(512, 128)
 
-    def over_weights(product: Any, ws: list[Any]) -> float:
-        for w in ws:
-            product(decode_x, w)
+    def per_call(product: Any, calls: int) -> float:
+        """Seconds per call of `product(i)`, i = 0..calls-1, after one untimed round of the same calls."""
+        for i in range(calls):
+            product(i)
         started = time.perf_counter()
-        for w in ws:
-            product(decode_x, w)
-        return (time.perf_counter() - started) / len(ws)
+        for i in range(calls):
+            product(i)
+        return (time.perf_counter() - started) / calls
+
+    def median(product: Any, calls: int) -> float:
+        return statistics.median(per_call(product, calls) for _ in range(REPEATS))
 
     def onednn(x: Any, w: Any) -> Any:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    def hot(n: int = 200) -> float:
-        for _ in range(20):
-            F.linear(train_x, train_w)
-        started = time.perf_counter()
-        for _ in range(n):
-            F.linear(train_x, train_w)
-        return (time.perf_counter() - started) / n
-
-    def timed_sum() -> float:
-        started = time.perf_counter()
-        stream.sum()
-        return time.perf_counter() - started
-
-    def median(fn: Any) -> float:
-        return statistics.median(fn() for _ in range(REPEATS))
-
     decode_flop, train_flop = 2 * 16 * 640 * 3584, 2 * 288 * 128 * 512
     figures = {
-        "stream_gb_s": stream.numel() * 4 / median(timed_sum) / 1e9,
-        "decode_linear_gflop_s": decode_flop / median(lambda: over_weights(F.linear, weights)) / 1e9,
-        "train_linear_gflop_s": train_flop / median(hot) / 1e9,
+        "stream_gb_s": stream.numel() * 4 / median(lambda i: stream.sum(), 1) / 1e9,
+        "decode_linear_gflop_s": decode_flop / median(lambda i: F.linear(decode_x, weights[i]), len(weights)) / 1e9,
+        "train_linear_gflop_s": train_flop / median(lambda i: F.linear(train_x, train_w), 200) / 1e9,
     }
     if packed:
-        figures["decode_onednn_gflop_s"] = decode_flop / median(lambda: over_weights(onednn, packed)) / 1e9
+        figures["decode_onednn_gflop_s"] = decode_flop / median(lambda i: onednn(decode_x, packed[i]), len(packed)) / 1e9
     return figures
 
 
