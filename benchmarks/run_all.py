@@ -27,9 +27,12 @@ when torch loads), prepares its inputs once, then runs repeats; a repeat runs ev
 side of the job once, back to back, alternating the order (A B C, C B A, ...), so a
 change in the machine's load falls on all sides alike. The ratio reported is the median
 of the per-repeat ratios (each from sides that ran back to back); min/median/max are
-over the repeats. Repeats go on until that median is stable (it moved < 2% with the
-last repeat) after `--min-repeats`, up to `--max-repeats`, or until the job's share of
-`--budget-min` is spent. OpenMP threads keep torch's default (`OMP_WAIT_POLICY` unset: idle
+over the repeats. Repeats go on until the medians of the job's targeted ratios are stable
+(each moved < 2% with the last repeat) after `--min-repeats`, up to `--max-repeats`, or until
+the job's share of `--budget-min` is spent. A ratio whose median lies within 10% of its target
+is close (one more repeat could flip its verdict): while one is, stability does not end the job,
+which repeats on up to `--close-repeats` (6 quick, 9 full) as long as twice its share lasts.
+OpenMP threads keep torch's default (`OMP_WAIT_POLICY` unset: idle
 threads spin a while before they sleep), as users run it; `--omp-passive` sets PASSIVE (idle
 threads sleep at once), which steadies figures on a machine that other processes keep busy but
 made every 2-thread figure ~1.5-2x slower for both sides on the 2-core VMs and hid a slowdown
@@ -67,6 +70,8 @@ WEIGHTS = {"startup": 0.05, "sft": 0.2, "sft-mixed": 0.08, "dpo": 0.12, "rm": 0.
            "grpo-learn": 0.13, "generation": 0.07, "serving": 0.05, "multiturn": 0.06}
 """Each job's share of --budget-min, per thread count (startup runs once)."""
 STABLE = 0.02
+CLOSE = 0.10
+"""A ratio whose median is within this fraction of its target is close: its verdict is not settled."""
 RESULT_PREFIX = "RESULT "
 
 # job settings: (quick, full)
@@ -92,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-min", type=float, help="total minutes to aim for (default 15 quick, 45 full)")
     p.add_argument("--min-repeats", type=int, help="default 3")
     p.add_argument("--max-repeats", type=int, help="default 4 quick, 7 full")
+    p.add_argument("--close-repeats", type=int,
+                   help="the cap while a ratio is within 10%% of its target (default 6 quick, 9 full)")
     add_cpu_matmul_arg(p, "the sft, sft-mixed, dpo and grpo jobs' training products")
     p.add_argument("--omp-passive", action="store_true",
                    help="set OMP_WAIT_POLICY=PASSIVE (default: unset, OpenMP's spinning, as users run)")
@@ -107,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.budget_min = args.budget_min or (15.0 if args.quick else 45.0)
     args.min_repeats = args.min_repeats or 3
     args.max_repeats = max(args.max_repeats or (4 if args.quick else 7), args.min_repeats)
+    args.close_repeats = max(args.close_repeats or (6 if args.quick else 9), args.max_repeats)
     return args
 
 
@@ -115,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class Repeats:
     """Runs `sides` (name -> zero-argument function returning a figure) repeat by repeat, in
-    alternating order, until the median of the per-repeat ratios `ratio(figures)` is stable."""
+    alternating order, until the medians of the per-repeat ratios `ratio(figures)` are stable and
+    none is close to its target (`TARGETS`, `CLOSE`), or a cap or the budget is reached."""
 
     def __init__(self, args: argparse.Namespace, label: str) -> None:
         self.args, self.label = args, label
@@ -126,8 +135,10 @@ class Repeats:
         per_repeat: dict[str, list[float]] = {name: [] for name in ratios}
         extra: dict[str, list[Any]] = {name: [] for name in sides}
         loads: list[float] = []
-        previous: float | None = None
-        for repeat in range(self.args.max_repeats):
+        previous: dict[str, float] | None = None
+        targets = {name: TARGETS[self.label, name] for name in ratios if (self.label, name) in TARGETS}
+        watched = list(targets) or list(ratios)[:1]  # whose medians must be stable
+        for repeat in range(self.args.close_repeats):
             t0 = time.perf_counter()
             order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
             for name in order:
@@ -139,12 +150,17 @@ class Repeats:
             loads.append(os.getloadavg()[0])
             for name, fn in ratios.items():
                 per_repeat[name].append(fn({k: v[-1] for k, v in figures.items()}))
-            first = statistics.median(next(iter(per_repeat.values()))) if per_repeat else 0.0
+            medians = {name: statistics.median(values) for name, values in per_repeat.items()}
             done, used = repeat + 1, time.perf_counter() - self.started
             last_took = time.perf_counter() - t0
-            stable = previous is not None and abs(first - previous) <= STABLE * abs(previous)
-            previous = first
-            if done >= self.args.min_repeats and (stable or used + last_took > self.args.budget_s):
+            stable = previous is not None and all(
+                abs(medians[name] - previous[name]) <= STABLE * abs(previous[name]) for name in watched)
+            previous = medians
+            close = any(abs(medians[name] / t - 1) < CLOSE for name, t in targets.items())
+            if done >= self.args.min_repeats and (
+                (stable and not close) or done >= (self.args.close_repeats if close else self.args.max_repeats)
+                or used + last_took > self.args.budget_s * (2 if close else 1)
+            ):
                 break
             if used + last_took > 2 * self.args.budget_s:  # far over its share: stop even before min
                 break
@@ -404,7 +420,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_worker(job: str, threads: int, budget_s: float, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", job, "--threads", str(threads),
            "--budget-s", f"{budget_s:.0f}", "--min-repeats", str(args.min_repeats),
-           "--max-repeats", str(args.max_repeats), "--cpu-matmul", args.cpu_matmul,
+           "--max-repeats", str(args.max_repeats), "--close-repeats", str(args.close_repeats),
+           "--cpu-matmul", args.cpu_matmul,
            *(["--quick"] if args.quick else [])]
     env = dict(os.environ)
     if args.omp_passive:
