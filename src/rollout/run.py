@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rollout import setup_gc
 from rollout.algorithms.config import TrainCommon
 from rollout.algorithms.registry import TrainResult
 from rollout.backends.base import BackendState, TrainingBackend
@@ -311,13 +312,16 @@ async def snapshot_backend(
 
 
 async def restore_or_start(ctx: RunContext, backend: TrainingBackend[Any]) -> LoopState:
-    """Load the resume snapshot into the backend (if any) and return where the loop continues."""
+    """Load the resume snapshot into the backend (if any) and return where the loop continues.
+    Set-up ends here: a paused garbage collector comes back on (`rollout.setup_gc`)."""
     if ctx.resume_from is None:
+        setup_gc.setup_done()
         return LoopState(step=0, cursor=DataCursor(epoch=0, batch=0), tokens_seen=0)
     assert ctx.resume_state is not None  # read by run_lifecycle
     state, loop = ctx.resume_state
     ctx.resume_state = None  # free the bytes once loaded
     await backend.load_state(state)
+    setup_gc.setup_done()
     return LoopState(
         step=loop["step"], cursor=DataCursor.from_dict(loop["cursor"]), tokens_seen=loop["tokens_seen"], restored=loop
     )

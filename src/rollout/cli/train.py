@@ -48,19 +48,22 @@ def _train(kind: str, config: Path, resume: str | None, dry_run: bool) -> None:
         data = check_dataset(cfg, scan_lines=False, source=config)
         typer.echo(f"dry-run OK: algorithm={kind} model={s.base_model.uri} minibatch={s.minibatch_size} {data}")
         return
-    if not under_launcher():
-        from rollout.plan import make_plan
+    from rollout.setup_gc import paused_for_setup
 
-        here = cfg.distributed.kind == "local" or (cfg.distributed.kind == "ray" and cfg.distributed.num_learners == 1)
-        for warning in make_plan(config, config=cfg, pin=False, hand_off=here).warnings:  # the recipe runs here
-            typer.echo(f"warning: {warning}", err=True)
+    here = cfg.distributed.kind == "local" or (cfg.distributed.kind == "ray" and cfg.distributed.num_learners == 1)
+    with paused_for_setup(here or under_launcher()):  # the recipe runs in this process: no GC until its loop
+        if not under_launcher():
+            from rollout.plan import make_plan
 
-    if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
-        from rollout.launch import launch_torchrun
+            for warning in make_plan(config, config=cfg, pin=False, hand_off=here).warnings:  # the recipe runs here
+                typer.echo(f"warning: {warning}", err=True)
 
-        args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
-        sys.exit(launch_torchrun(cfg, args, resume=resume))  # torchrun's status (typer.Exit's code is dropped by main)
-    run_training(cfg, resume)
+        if cfg.distributed.kind == "torchrun" and not under_launcher():  # one process per rank, through torchrun
+            from rollout.launch import launch_torchrun
+
+            args = ["train", kind, "--config", str(config.resolve()), *(["--resume", resume] if resume else [])]
+            sys.exit(launch_torchrun(cfg, args, resume=resume))  # torchrun's status (typer.Exit's code is dropped by main)
+        run_training(cfg, resume)
 
 
 def run_training(cfg: RunConfig, resume: str | None) -> TrainResult | None:
@@ -82,8 +85,11 @@ def run_training(cfg: RunConfig, resume: str | None) -> TrainResult | None:
 
         result = run_learner_group(cfg, resume)  # learner actors run the recipe; learner 0's result
     else:
-        train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
-        result = train(cfg, resume=resume)
+        from rollout.setup_gc import paused_for_setup
+
+        with paused_for_setup():  # `run --plan` and a pipeline's stages too (inside `train`'s pause: a no-op)
+            train = ALGORITHMS[cfg.algorithm.kind].load_train()  # the recipe (and torch) load only now
+            result = train(cfg, resume=resume)
     if os.environ.get("RANK", "0") != "0":
         return None  # rank 0 reports the run
     metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
