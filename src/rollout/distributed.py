@@ -472,13 +472,12 @@ class DistributedBackend:
         return metrics
 
     async def optim_step(self) -> Any:
-        import torch
-
         from rollout.backends.base import OptimStepResult
+        from rollout.backends.torch_backend import clip_grad_norm
 
         lr = self.optimizer.param_groups[0]["lr"]
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, limit, foreach=True)
+        grad_norm = clip_grad_norm(self._params, limit)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2 (replicated: the global norm)
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()

@@ -64,3 +64,54 @@ def test_forward_backward_accumulates_and_optim_step_clears():
     assert abs(result.grad_norm - 0.5) < 1e-7 and result.lr == 0.1
     assert torch.allclose(model.weight, torch.tensor([[1.0 - 0.03, -1.0 - 0.04]]))
     assert model.weight.grad is None
+
+
+def _grads(scale: float) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Two copies of the same parameters with the same gradients (norm ~`scale`), for two clips."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 11, 2)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+    copies = []
+    for _ in range(2):
+        params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+        for p, x in zip(params, grads, strict=True):
+            p.grad = x * (scale / total)
+        copies.append(params)
+    return copies[0], copies[1]
+
+
+def test_clip_grad_norm_matches_torch_bit_for_bit_and_leaves_unclipped_gradients_unwritten():
+    """`clip_grad_norm` returns torch's total norm and leaves torch's gradient bits, clipped or not;
+    when nothing is clipped on the CPU it does not write the gradients at all (their version counters
+    stay), where torch multiplies them by 1.0."""
+    from rollout.backends.torch_backend import clip_grad_norm
+
+    for scale, limit, clipped in ((3.0, 1.0, True), (0.5, 1.0, False),
+                                  (2.0, float("inf"), False), (1.0 - 1e-7, 1.0 - 2e-7, True)):
+        ours, theirs = _grads(scale)
+        versions = [p.grad._version for p in ours]
+        norm = clip_grad_norm(ours, limit)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, limit, foreach=True)
+        assert torch.equal(norm, expected), (scale, limit)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.grad, b.grad), (scale, limit)
+        written = [p.grad._version != v for p, v in zip(ours, versions, strict=True)]
+        assert written == [clipped] * 3, (scale, limit, written)
+        if clipped:
+            assert not torch.equal(ours[0].grad, _grads(scale)[0][0].grad)  # the clip did scale them
+
+
+def test_clip_grad_norm_passes_a_non_finite_norm_on_as_torch_does():
+    """A NaN gradient: the same NaN norm and NaN-multiplied gradients as torch's clip."""
+    from rollout.backends.torch_backend import clip_grad_norm
+
+    ours, theirs = _grads(1.0)
+    for params in (ours, theirs):
+        params[1].grad[0] = float("nan")
+    norm = clip_grad_norm(ours, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, foreach=True)
+    assert torch.isnan(norm) and torch.isnan(expected)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.grad.isnan(), b.grad.isnan()) and torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
+    assert clip_grad_norm([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0  # no gradients: norm 0

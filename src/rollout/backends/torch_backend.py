@@ -130,7 +130,7 @@ class TorchBackend:
     async def optim_step(self) -> OptimStepResult:
         lr = self.optimizer.param_groups[0]["lr"]
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, limit, foreach=True)
+        grad_norm = clip_grad_norm(self._params, limit)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -162,6 +162,25 @@ class TorchBackend:
 
             model = copy.deepcopy(model).merge_and_unload()
         return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)`: the same total norm returned
+    and the same gradient bits after, without its multiply by 1.0 on the CPU when nothing is clipped.
+    torch always multiplies by the clamped coefficient, since reading it back would wait for an
+    accelerator; a CPU tensor's value costs nothing to read, and x * 1.0 is x, so there the multiply
+    (a read and a write of every gradient) runs only when the coefficient is below 1. Elsewhere (an
+    accelerator, a sharded DTensor norm) torch's call as it is. Clip + fused AdamW of the tiny Qwen2
+    after a GRPO-shaped backward: 2.10 -> 1.92 ms at 1 thread, 1.90 -> 1.70 ms at 2 (300 interleaved
+    steps, medians)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=True)
+    if type(total) is torch.Tensor and total.device.type == "cpu":
+        coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # as torch computes it
+        if float(coefficient) == 1.0:
+            return total
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
 
 
 def _all_training(model: torch.nn.Module) -> bool:
