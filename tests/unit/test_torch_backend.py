@@ -7,7 +7,7 @@ import asyncio
 import torch
 from torch import nn
 
-from rollout.backends.torch_backend import build_torch_backend
+from rollout.backends.torch_backend import build_torch_backend, clip_grad_norm
 
 
 def _backend(model: nn.Module):
@@ -72,21 +72,20 @@ def _grads(scale: float) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     shapes = [(7, 5), (5,), (3, 11, 2)]
     grads = [torch.randn(s, generator=g) for s in shapes]
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
-    copies = []
-    for _ in range(2):
+
+    def copy() -> list[nn.Parameter]:
         params = [nn.Parameter(torch.zeros(s)) for s in shapes]
         for p, x in zip(params, grads, strict=True):
             p.grad = x * (scale / total)
-        copies.append(params)
-    return copies[0], copies[1]
+        return params
+
+    return copy(), copy()
 
 
 def test_clip_grad_norm_matches_torch_bit_for_bit_and_leaves_unclipped_gradients_unwritten():
     """`clip_grad_norm` returns torch's total norm and leaves torch's gradient bits, clipped or not;
     when nothing is clipped on the CPU it does not write the gradients at all (their version counters
     stay), where torch multiplies them by 1.0."""
-    from rollout.backends.torch_backend import clip_grad_norm
-
     for scale, limit, clipped in ((3.0, 1.0, True), (0.5, 1.0, False),
                                   (2.0, float("inf"), False), (1.0 - 1e-7, 1.0 - 2e-7, True)):
         ours, theirs = _grads(scale)
@@ -104,8 +103,6 @@ def test_clip_grad_norm_matches_torch_bit_for_bit_and_leaves_unclipped_gradients
 
 def test_clip_grad_norm_passes_a_non_finite_norm_on_as_torch_does():
     """A NaN gradient: the same NaN norm and NaN-multiplied gradients as torch's clip."""
-    from rollout.backends.torch_backend import clip_grad_norm
-
     ours, theirs = _grads(1.0)
     for params in (ours, theirs):
         params[1].grad[0] = float("nan")
