@@ -471,6 +471,13 @@ class DistributedBackend:
         (loss * self.dist.world_size if self.dist.sharding == "ddp" else loss).backward()
         return metrics
 
+    async def zero_gradients(self) -> None:  # (each rank its own shards under FSDP2)
+        import torch
+
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     async def optim_step(self) -> Any:
         from rollout.backends.base import OptimStepResult
         from rollout.backends.torch_backend import clip_grad_norm

@@ -101,7 +101,9 @@ def open_stores(cfg: RunConfig) -> tuple[Store, ObjectStore]:
 
 @contextmanager
 def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]:
-    """Create the run row, the recorder and the run folder; set the final status.
+    """Create the run row, the recorder and the run folder; set the final status. Automatic garbage
+    collection pauses until the loop starts (`restore_or_start`; `rollout.setup_gc`), called through
+    the CLI or from Python (a recipe function: `train_grpo(cfg)`) alike.
 
     The snapshot to resume from is resolved *before* the run row exists, so an
     unknown id fails cleanly (`snapshot not found: <id>`) without a stray run.
@@ -109,6 +111,12 @@ def run_lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]
     Under torchrun (`rollout.distributed`) rank 0 does all of this; the other ranks wait for the
     run's id, then read its row and the resume snapshot, and record nothing.
     """
+    with setup_gc.paused_for_setup(), _lifecycle(cfg, resume=resume) as ctx:  # (no-op inside the CLI's pause)
+        yield ctx
+
+
+@contextmanager
+def _lifecycle(cfg: RunConfig, *, resume: str | None) -> Iterator[RunContext]:
     beat_s = heartbeat_interval_s()  # a bad $ROLLOUT_HEARTBEAT_S fails here, before any run row exists
     dist = join_process_group(cfg.distributed, device=cfg.backend.device)
     if not dist.is_rank0:

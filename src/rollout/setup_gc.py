@@ -3,8 +3,10 @@
 A 20-step `rollout train sft` of the tiny model took 8.3 s, 1.35 s of it in cyclic collections
 before its first step: seven generation-2 collections, each scanning every object made so far while
 imports (torch, transformers), model loading and tokenising grew the heap to ~430k objects
-(benchmarks/README.md, twenty-eighth run); 6.75 s with the collector off. So a command that sets up
-and then trains pauses automatic collection (`paused_for_setup`) until its loop starts
+(benchmarks/README.md, twenty-eighth run); 6.75 s with the collector off. So a training run --
+`rollout train`, or a recipe called from Python (`rollout.run.run_lifecycle` pauses too: a GRPO
+benchmark calling `train_grpo` lost a 0.3-0.5 s generation-2 collection inside some of its 2-second
+timed windows) -- pauses automatic collection (`paused_for_setup`) until its loop starts
 (`setup_done`, from `rollout.run.restore_or_start`): one collection then, the survivors frozen
 (`gc.freeze`: modules, model, data, kept for the whole run, are no longer rescanned) and the
 collector back on. The pause's end unfreezes them, so that a process running several trainings

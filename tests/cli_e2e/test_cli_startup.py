@@ -183,22 +183,29 @@ def spy():
 setup_gc.setup_done = spy
 code = 0
 try:
-    main(["train", "sft", "--config", sys.argv[1]])
+    if sys.argv[2] == "cli":
+        main(["train", "sft", "--config", sys.argv[1]])
+    else:  # the recipe from Python
+        from rollout.algorithms.sft import train_sft
+        from rollout.config import load_config
+
+        train_sft(load_config(sys.argv[1]))
 except SystemExit as ex:
     code = ex.code
 print(json.dumps({**seen, "code": code, "enabled_end": gc.isenabled(), "frozen_end": gc.get_freeze_count()}))
 """
 
 
-def test_train_sets_up_without_gc_and_trains_with_it_on(tmp_path, write_config):
-    """`rollout train` pauses the cyclic collector from its start to its loop (rollout.setup_gc: ~1 s
-    of a tiny run's set-up went to generation-2 collections), collects and freezes once when the loop
-    starts, and leaves the collector on and nothing frozen when it returns (a caller running the CLI
-    in-process keeps collecting)."""
+@pytest.mark.parametrize("entry", ["cli", "python"])
+def test_train_sets_up_without_gc_and_trains_with_it_on(entry, tmp_path, write_config):
+    """`rollout train` -- and a recipe called from Python -- pauses the cyclic collector from its
+    start to its loop (rollout.setup_gc: ~1 s of a tiny run's set-up went to generation-2
+    collections), collects and freezes once when the loop starts, and leaves the collector on and
+    nothing frozen when it returns (a caller running the CLI in-process keeps collecting)."""
     config = write_config(tmp_path / "sft.toml")
     probe = tmp_path / "probe.py"
     probe.write_text(GC_PROBE)
-    result = run_python(f"import runpy, sys; sys.argv = ['probe', {str(config)!r}]; runpy.run_path({str(probe)!r})")
+    result = run_python(f"import runpy, sys; sys.argv = ['probe', {str(config)!r}, {entry!r}]; runpy.run_path({str(probe)!r})")
     assert_ok(result)
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["code"] in (0, None)

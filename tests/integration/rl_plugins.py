@@ -18,6 +18,13 @@ def text_length(prompts, completions, **fields):
     return [len(c) / 10 for c in completions]
 
 
+def text_length_on_odd_prompts(prompts, completions, **fields):
+    """`text_length` for a prompt whose characters' codes sum to an odd number ("What is 8+7?"), 0 for
+    the rest ("What is 5+1?"): a batch where some groups' rewards all tie (advantage exactly 0) and
+    the others' vary."""
+    return [len(c) / 10 if sum(map(ord, str(p))) % 2 else 0.0 for p, c in zip(prompts, completions, strict=True)]
+
+
 class ThreeTurnEnv:
     """Three assistant turns whatever the model says, then done; each turn rewarded by its length
     (a signal an untrained model's samples vary on). Exercises multi-turn episodes end to end."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from integration_helpers import example_config, held_out_rewards
 
 from rollout.config import load_config
@@ -87,7 +88,8 @@ def test_pipelined_batches_get_an_old_log_prob_pass_only_when_reused(iterations,
     frozen = grpo.frozen_logps
     monkeypatch.setattr(grpo, "frozen_logps", lambda *a, **k: calls.append(1) or frozen(*a, **k))
     replace = {**SMALL, "off_policy_steps = 0": "off_policy_steps = 1",
-               "num_iterations = 1": f"num_iterations = {iterations}"}
+               # the random model answers no sum: every row's advantage is 0; run their passes anyway
+               "num_iterations = 1": f"num_iterations = {iterations}\nskip_zero_advantage = false"}
     cfg = load_config(example_config("grpo-tiny.toml", workspace, tmp_path, replace))
     run = grpo.train_grpo(cfg)
     store = _store(cfg)
@@ -127,6 +129,49 @@ def test_masked_truncated_completions_train_on_no_token(workspace, tmp_path):
     for loss, entropy, cut in zip(masked["train/loss"], masked["train/entropy"], masked["rollout/truncated_frac"],
                                   strict=True):
         assert (loss == 0.0 and entropy == 0.0) if cut == 1.0 else entropy > 0, masked
+
+
+@pytest.mark.parametrize("reward", ["arithmetic_correct", "rl_plugins:text_length_on_odd_prompts"])
+def test_rows_whose_gradient_is_zero_skip_the_pass_and_leave_the_step_as_it_was(reward, workspace, tmp_path):
+    """`skip_zero_advantage` (on by default, beta = 0): a row whose group's rewards all tie has an
+    advantage of exactly 0, so a loss and a gradient of exactly 0; it is left out of the pass and the
+    step is the same. The random tiny model never answers a sum: every row is inert, no pass runs, and
+    AdamW's steps on the zero gradients leave the same weights, bit for bit, as the full passes; with
+    rewards on about half of the prompts some rows are skipped (all of a step's, once), and losses,
+    gradient norms and weights match the full passes' up to float reassociation (fewer rows in the
+    products)."""
+    from safetensors.torch import load_file
+
+    from rollout.algorithms.grpo import train_grpo
+
+    runs = {}
+    for skip in (True, False):
+        replace = {**SMALL, 'name = "arithmetic_correct"': f'name = "{reward}"',
+                   "dynamic_sampling = true": f"dynamic_sampling = false\nskip_zero_advantage = {str(skip).lower()}"}
+        cfg = load_config(example_config("grpo-tiny.toml", workspace, tmp_path / str(skip), replace))
+        run = train_grpo(cfg)
+        store = _store(cfg)
+        runs[skip] = {name: [m.value for m in store.read_metrics(run.run_id, name=name)]
+                      for name in ("train/skipped_frac", "train/loss", "train/grad_norm", "rollout/reward_mean")}
+        runs[skip]["digest"] = store.get_snapshot(run.final_snapshot_id).manifest["blobs"]["model"]["digest"]
+        runs[skip]["weights"] = load_file(tmp_path / str(skip) / "grpo-export" / "model.safetensors")
+        store.close()
+    skipped, full = runs[True], runs[False]
+    assert full["train/skipped_frac"] == [0.0] * N
+    assert skipped["rollout/reward_mean"] == full["rollout/reward_mean"]  # the same samples, step by step
+    if reward == "arithmetic_correct":
+        assert skipped["train/skipped_frac"] == [1.0] * N and set(full["rollout/reward_mean"]) == {0.0}
+        assert skipped["train/loss"] == full["train/loss"] == [0.0] * N
+        assert skipped["digest"] == full["digest"]
+    else:
+        assert all(f > 0.0 for f in skipped["train/skipped_frac"]), skipped  # (a step of even prompts only: 1.0,
+        assert any(f < 1.0 for f in skipped["train/skipped_frac"]), skipped  # after steps that built momentum)
+        assert skipped["train/loss"] == pytest.approx(full["train/loss"], rel=1e-5, abs=1e-7)
+        assert skipped["train/grad_norm"] == pytest.approx(full["train/grad_norm"], rel=1e-5)
+        # the full passes' gradient is exactly zero on the steps where every row was skipped, and only there
+        assert [g == 0.0 for g in full["train/grad_norm"]] == [f == 1.0 for f in skipped["train/skipped_frac"]]
+        for name, tensor in full["weights"].items():
+            torch.testing.assert_close(skipped["weights"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 MULTI_TURN = {

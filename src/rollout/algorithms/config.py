@@ -606,6 +606,13 @@ class GRPOConfig(RLCommon):
         " filtering).",
     )
     max_oversample_rounds: int = Field(4, ge=1, description="Extra generation rounds to refill a filtered batch.")
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Leave out of the forward/backward the rows whose gradient is exactly zero -- an advantage of"
+        " exactly 0 with beta = 0 (a group of equal rewards), no trained token -- keeping the step's normaliser, so"
+        " the same gradient; the step's entropy, ratio and clip metrics then cover the rows trained"
+        " (train/skipped_frac). One process only.",
+    )
 
     @model_validator(mode="after")
     def _groups(self) -> GRPOConfig:

@@ -51,7 +51,7 @@ from rollout.data.prepared import read_rows_prepared
 from rollout.distributed import Distributed, DistributedBackend, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
-from rollout.losses.grpo import compute_group_advantages, grpo_loss, grpo_normalizer
+from rollout.losses.grpo import GRPO_METRICS, compute_group_advantages, grpo_loss, grpo_normalizer
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 from rollout.progress import TrainProgress
@@ -118,6 +118,21 @@ def cut_short(sample: Any) -> bool:
     """Whether a completion stopped for want of room, not by itself: `max_tokens` reached, or an
     episode out of turns or tokens (`mask_truncated_completions`)."""
     return sample.finish_reason == "length" or sample.finish_reason in TRUNCATED
+
+
+def inert_rows(s: GRPOConfig, advantages: Any, trained: list[bool], dist: Distributed) -> list[bool]:
+    """Which rows can't change this step's gradient, so need no forward or backward pass: with
+    `beta` = 0 a row whose advantage is exactly 0 (its group's rewards all equal) has a loss of
+    exactly 0 at every token, through either clip branch, and so a zero gradient; a row with no
+    trained token (`mask_truncated_completions`) has no loss at any `beta`. Leaving them out keeps
+    the step's gradient: the normaliser still counts every row. verl's zero-advantage skip
+    (verl-project/verl#5838) likewise; TRL runs them. One process only: under torchrun and Ray
+    learner groups every rank runs every micro-batch's collectives. Nothing is inert when
+    `skip_zero_advantage` is off."""
+    if not s.skip_zero_advantage or dist.active:
+        return [False] * len(trained)
+    zero = (advantages == 0).tolist() if s.beta == 0 else [False] * len(trained)
+    return [z or not t for z, t in zip(zero, trained, strict=True)]
 
 
 def rank_rows(idx: list[int], dist: Distributed) -> tuple[list[int], list[bool]]:
@@ -243,8 +258,15 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                 # every completion masked (all cut short): a step with no loss, as TRL's clamp to 1
                 normalizer = grpo_normalizer(s.loss_agg, masks, max_completion) if any(m.any() for m in masks) else 1.0
                 step_tokens = sum(rows.num_row_tokens for rows in whole)
+                # rows whose gradient is exactly zero are left out of the passes (`skip_zero_advantage`)
+                inert = inert_rows(s, advantages, trained, ctx.dist)
                 micro = []
                 for idx, rows in zip(chunks, whole, strict=True):
+                    if any(inert[i] for i in idx):
+                        idx = [i for i in idx if not inert[i]]
+                        if not idx:
+                            continue
+                        rows = collate_samples(samples, idx, pad_id, [trained[i] for i in idx])
                     if ctx.dist.active:  # this rank's rows of the micro-batch
                         idx, weight = rank_rows(idx, ctx.dist)
                         weight = [w and trained[i] for i, w in zip(idx, weight, strict=True)]
@@ -261,10 +283,12 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                     if loop.step >= total_steps:
                         break
                     t0 = time.perf_counter()
-                    agg: dict[str, float] = {}
+                    agg = dict.fromkeys((*GRPO_METRICS, "entropy_sum"), 0.0)  # no pass (every row inert): no token
                     for m in micro:
                         for k, v in (await backend.forward_backward(m, loss_fn)).items():
-                            agg[k] = max(agg.get(k, v), v) if k == "ratio_max" else agg.get(k, 0.0) + v
+                            agg[k] = max(agg[k], v) if k == "ratio_max" else agg[k] + v
+                    if not micro:  # the loss's gradient is exactly zero: the step a backward of it leads to
+                        await backend.zero_gradients()
                     result = await backend.optim_step()
                     agg = reduce_metrics(agg, ctx.dist)
                     loop.step += 1
@@ -276,6 +300,7 @@ async def _train(ctx: RunContext, s: GRPOConfig) -> TrainResult:
                         "train/kl": agg["kl_sum"] / n_tok, "train/entropy": agg["entropy_sum"] / n_tok,
                         "train/ratio_mean": agg["ratio_sum"] / n_tok, "train/ratio_max": agg["ratio_max"],
                         "train/is_weight_mean": agg["is_weight_sum"] / n_tok,
+                        "train/skipped_frac": sum(inert) / len(samples),
                         "rollout/staleness": float(version - batch.policy_version),
                         "perf/generation_wait_s": source.gen_wait_s,
                         "perf/train_s": time.perf_counter() - t0,

@@ -31,6 +31,9 @@ class MockBackend:
             self._grad[i] += 2.0 * (p - t) / len(self.params)
         return {"loss_sum": loss, "num_targets": 1.0}
 
+    async def zero_gradients(self) -> None:
+        pass  # the accumulated gradient is already a zero vector until a forward_backward
+
     async def optim_step(self) -> OptimStepResult:
         norm = sum(g * g for g in self._grad) ** 0.5
         self.params = [p - self.lr * g for p, g in zip(self.params, self._grad, strict=False)]

@@ -127,6 +127,11 @@ class TorchBackend:
         loss.backward()
         return metrics
 
+    async def zero_gradients(self) -> None:
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     async def optim_step(self) -> OptimStepResult:
         lr = self.optimizer.param_groups[0]["lr"]
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")

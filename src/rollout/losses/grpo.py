@@ -47,6 +47,8 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
 LOSS_AGGS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+GRPO_METRICS: tuple[str, ...] = ("loss_sum", "num_tokens", "num_seqs", "clipped_tokens", "ratio_sum", "ratio_max",
+                                 "kl_sum", "is_weight_sum", "is_capped_tokens")  # what `grpo_loss` returns
 
 
 def compute_group_advantages(
