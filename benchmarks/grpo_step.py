@@ -51,7 +51,13 @@ Held equal (the header says it again):
   (TRL `bf16=False`), no activation checkpointing;
 - `--steps` optimizer steps and `--threads` torch intra-op threads.
 
-Differences that are part of each library's design: rollout samples with its
+Differences that are part of each library's design: rollout leaves the rows
+whose gradient is exactly zero out of its training pass (`skip_zero_advantage`,
+its default: a group of equal rewards has advantage 0 with beta 0; the step's
+normaliser still counts them, so the gradient is the same up to float
+reassociation, `tests/integration/test_grpo.py`), TRL runs every row; at this
+step's rewards (~0.1) that is 51-78% of the rows and 25-62% of the steps whole
+(five seeds, 2026-12-02). rollout samples with its
 own engine (on-policy it shares the policy's parameter tensors, so nothing is
 copied; with `off_policy_steps = 1` a second copy, updated after every step)
 and keeps the engine's per-token log-probs for truncated importance sampling
@@ -614,6 +620,7 @@ def print_header(args: argparse.Namespace) -> None:
         f"  both: temperature 1, clip eps {CLIP}, beta 0, 1 iteration, group-std advantages, token-mean loss, "
         f"no dynamic sampling, AdamW lr {LR:g} constant, clip-norm 1.0, {args.dtype}, sdpa; repeat r uses seed r"
     )
+    print("  rollout leaves rows of advantage exactly 0 out of its passes (skip_zero_advantage: the same gradient)")
     print(
         "  s/step = wall seconds / timed steps; reward = mean sampled reward (is_correct) of the first / last "
         f"{args.reward_window} steps; median over repeats"

@@ -15,7 +15,7 @@ Jobs (each reuses its script's own runner functions and settings, see their docs
 | `dpo` | rollout, TRL `DPOTrainer`, bare PyTorch | steps/s | rollout >= 1.5 x TRL (bare: for reference) |
 | `rm` | rollout, TRL `RewardTrainer` (`rm_kto_throughput.py --algo rm`) | steps/s | (none set) |
 | `kto` | rollout, TRL `KTOTrainer` (`rm_kto_throughput.py --algo kto`) | steps/s | (none set) |
-| `grpo` | rollout (on-policy), TRL `GRPOTrainer` (2 prompts x 8, <= 8 tokens) | s/step | TRL / rollout >= 2 |
+| `grpo` | rollout (on-policy; rows of advantage 0 skip its passes, the same gradient), TRL `GRPOTrainer` (2 prompts x 8, <= 8 tokens) | s/step | TRL / rollout >= 2 |
 | `grpo-learn` | the same at the demo's batch (16 prompts x 8, <= 6 tokens), where the policy learns | s/step, reward | TRL / rollout >= 2, and rollout's last-steps reward >= TRL's (or a tie: the seeds' 95% interval of the difference holds 0) |
 | `generation` | rollout hf engine, `model.generate` batched (48M model, 16 prompts) | tokens/s | >= 1.5 x |
 | `serving` | `rollout serve`, `transformers serve --continuous-batching` (48M model, 16 concurrent HTTP clients) | tokens/s | (none set) |
