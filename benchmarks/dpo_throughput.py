@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/dpo_throughput.py --omp-passive     # steadier on a machine others keep busy
     .venv/bin/python benchmarks/dpo_throughput.py --threads 1       # the steadiest on a shared machine
     .venv/bin/python benchmarks/dpo_throughput.py --precompute-ref  # reference log-probs precomputed, both
+    python3 benchmarks/dpo_throughput.py --device cuda --dtype bfloat16 --model large   # a lent GPU
 
 One run trains the tiny Qwen2 (`rollout model init-tiny`, ~1.05M params; or
 `--model-dir`, e.g. an SFT export) on the arithmetic preference pairs (`rollout
@@ -52,6 +53,13 @@ the non-pad input tokens their policy trained on in the window (rollout's
 `train/tokens_seen`, a forward pre-hook on TRL's policy), printed as a check that
 they do the same work.
 
+`--device cuda --dtype bfloat16 --model large` (a lent GPU, not CI): the same
+comparison in bf16 on a ~190M random Qwen2 (TRL `bf16=True`, `use_cpu=False`, both
+models loaded in bf16; rollout `dtype = "bfloat16"`, `device = "cuda"`), with the
+model FLOPs utilisation (8 x params x policy tok/s: the policy's forward and backward,
+6 N, and the reference's forward, 2 N, over 989 TFLOP/s bf16 dense). The TRL side
+synchronises the device at the two ends of the timed window only.
+
 Both runs must learn: the mean DPO loss of the last 20 steps is printed for each
 (it starts at log 2 = 0.693, the policy being equal to the reference). The
 libraries shuffle with their own samplers, so the values differ a little.
@@ -73,7 +81,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_common import add_cpu_matmul_arg, no_activation_checkpointing, prepare_trl_process, quiet_stderr
+from bench_common import (
+    MODEL_SIZES,
+    PEAK_BF16_FLOPS,
+    add_cpu_matmul_arg,
+    add_precision_args,
+    no_activation_checkpointing,
+    prepare_trl_process,
+    quiet_stderr,
+    torch_dtype,
+    trl_precision,
+)
 
 LR = 5e-4
 BETA = 0.1
@@ -116,8 +134,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-dir",
         type=Path,
         default=None,
-        help="start from this model folder (e.g. local/models/sft-tiny) instead of a fresh tiny model",
+        help="start from this model folder (e.g. local/models/sft-tiny) instead of a fresh random one",
     )
+    p.add_argument(
+        "--model", choices=tuple(MODEL_SIZES), default="tiny",
+        help="random Qwen2 to train when no --model-dir: tiny ~1.05M (default), mid ~48M, large ~190M "
+        "(for --device cuda)",
+    )
+    add_precision_args(p)
     p.add_argument(
         "--omp-passive",
         action="store_true",
@@ -140,13 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- inputs
 
 
-def prepare_inputs(work: Path, model_dir: Path | None) -> tuple[Path, Path]:
-    """The model folder (a fresh tiny model unless given) and the arithmetic pref.jsonl."""
+def prepare_inputs(work: Path, model_dir: Path | None, model: str = "tiny") -> tuple[Path, Path]:
+    """The model folder (a fresh random `--model` unless given) and the arithmetic pref.jsonl."""
     from rollout.models.tiny import init_tiny_model
     from rollout.tasks.arithmetic import write_arithmetic_dataset
 
     if model_dir is None:
-        model_dir = init_tiny_model(work / "model", force=True)
+        model_dir = init_tiny_model(work / "model", force=True, **MODEL_SIZES[model])
     data = write_arithmetic_dataset(work / "data")
     return model_dir, data["pref"]
 
@@ -176,7 +200,7 @@ loss_type = "sigmoid"
 label_smoothing = 0.0
 [algorithm.dpo.base_model]
 uri = "{model_dir}"
-dtype = "float32"
+dtype = "{dtype}"
 [algorithm.dpo.reference]
 precompute = {precompute}
 [algorithm.dpo.optimizer]
@@ -199,7 +223,7 @@ keep_last = 1
 
 [backend]
 kind = "torch"
-device = "cpu"
+device = "{device}"
 num_threads = {threads}
 cpu_matmul = "{cpu_matmul}"
 
@@ -220,6 +244,8 @@ def run_rollout(work: Path, model_dir: Path, data_path: Path, args: argparse.Nam
             seed=SEED,
             work=work,
             model_dir=model_dir,
+            dtype=args.dtype,
+            device=args.device,
             data_path=data_path,
             batch_size=args.batch_size,
             beta=BETA,
@@ -284,9 +310,7 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
         adam_beta2=0.999,
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
+        **trl_precision(args),
         dataloader_num_workers=0,
         report_to=[],
         logging_steps=10 * args.steps,  # no logging inside the window
@@ -294,7 +318,7 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
         disable_tqdm=True,
         **no_activation_checkpointing(DPOConfig),
     )
-    load = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    load = {"dtype": torch_dtype(args), "attn_implementation": "sdpa"}
     policy = AutoModelForCausalLM.from_pretrained(model_dir, **load)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, **load)  # a separate, frozen copy
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -308,8 +332,8 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
     trainer.remove_callback(PrinterCallback)  # the end-of-train summary dict
     model = trainer.model
     assert trainer.ref_model is not None and trainer.ref_model is not model, "TRL has no separate reference"
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa", (
-        "TRL model is not fp32/sdpa"
+    assert model.dtype == torch_dtype(args) and model.config._attn_implementation == "sdpa", (
+        f"TRL model is not {args.dtype}/sdpa"
     )
     checkpointing = "is_activation_checkpointing"  # transformers 5 name; is_gradient_checkpointing before
     if not hasattr(type(model), checkpointing):
@@ -328,10 +352,13 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
 
     trainer.compute_loss = recording_compute_loss  # type: ignore[method-assign]
     marks: dict[int, tuple[float, int, int]] = {}
+    cuda = args.device == "cuda"
 
     class StepClock(TrainerCallback):
         def on_step_end(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            marks[state.global_step] = (time.time(), counter.tokens, ref_forwards[0])
+            if cuda and state.global_step in (args.warmup_steps, args.steps):
+                torch.cuda.synchronize()  # the window's two ends only: no extra sync inside it
+            marks[state.global_step] = (time.time(), len(counter.counts), ref_forwards[0])
 
     trainer.add_callback(StepClock())
     torch.set_num_threads(args.threads)
@@ -345,22 +372,25 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
     return Measurement(
         steps=last - first,
         seconds=marks[last][0] - marks[first][0],
-        tokens=marks[last][1] - marks[first][1],
-        final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).mean()),
+        tokens=counter.total(marks[first][1], marks[last][1]),
+        final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).float().mean()),
     )
 
 
 class _TokenCounter:
-    """Counts non-pad input tokens of every training forward of the policy."""
+    """Non-pad input tokens of every training forward of the policy, kept as tensors (no device sync)."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.counts: list[object] = []
 
     def hook(self, module: object, args: tuple, kwargs: dict) -> None:
         if not getattr(module, "training", False):
             return
         mask = kwargs.get("attention_mask")
-        self.tokens += int(mask.sum()) if mask is not None else kwargs["input_ids"].numel()
+        self.counts.append(mask.sum() if mask is not None else kwargs["input_ids"].numel())
+
+    def total(self, start: int, end: int) -> int:
+        return sum(int(c) for c in self.counts[start:end])
 
 
 # --------------------------------------------------------------------------- report
@@ -376,11 +406,11 @@ def print_header(args: argparse.Namespace) -> None:
     import rollout
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    model = args.model_dir or "tiny Qwen2 ~1.05M params"
+    model = args.model_dir or f"random {args.model} Qwen2 {args.n_params / 1e6:.2f}M params"
     reference = (
         "log-probs precomputed before training" if args.precompute_ref else "frozen copy scored every step"
     )
-    print(f"DPO throughput: rollout vs TRL DPOTrainer ({model}, arithmetic pref pairs, CPU)")
+    print(f"DPO throughput: rollout vs TRL DPOTrainer ({model}, arithmetic pref pairs, {args.device})")
     print(
         f"  versions: rollout {rollout.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}, python {platform.python_version()}"
@@ -392,7 +422,7 @@ def print_header(args: argparse.Namespace) -> None:
         f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
     print(
-        f"  both: sigmoid DPO beta {BETA}, reference {reference}, float32, sdpa, "
+        f"  both: sigmoid DPO beta {BETA}, reference {reference}, {args.dtype}, sdpa, "
         f"no grad checkpointing, AdamW lr {LR:g} constant, no warmup, clip 1.0, seed 0, no grad accumulation, "
         "no logging/saving inside the timed window"
     )
@@ -445,16 +475,25 @@ def print_table(results: dict[str, list[Measurement]]) -> None:
 
 
 
+def _mfu(m: Measurement, args: argparse.Namespace) -> str:
+    """CUDA only: 8 N FLOPs per policy token (policy forward + backward 6 N, reference forward 2 N)."""
+    if args.device != "cuda" or args.precompute_ref:
+        return ""
+    return f", MFU {8 * args.n_params * m.tokens / m.seconds / PEAK_BF16_FLOPS:.1%} of 989 TFLOP/s"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from rollout.models.tiny import count_saved_parameters
+
     args = parse_args(argv)
     prepare_trl_process(omp_passive=args.omp_passive)
-    print_header(args)
-
     runners = {"rollout": run_rollout, "trl": run_trl}
     results: dict[str, list[Measurement]] = {lib: [] for lib in runners}
     with tempfile.TemporaryDirectory(prefix="dpo-throughput-") as tmp:
         work = Path(tmp)
-        model_dir, data_path = prepare_inputs(work, args.model_dir)
+        model_dir, data_path = prepare_inputs(work, args.model_dir, args.model)
+        args.n_params = count_saved_parameters(model_dir)
+        print_header(args)
         for repeat in range(args.repeats):
             # alternate who goes first, so a load change drifts onto both sides
             order = list(runners) if repeat % 2 == 0 else list(reversed(runners))
@@ -465,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"repeat {repeat + 1}/{args.repeats} {lib:<7} {m.steps_per_s:>6.2f} steps/s "
                     f"({m.steps} steps in {m.seconds:.2f}s, {m.tokens / m.steps:,.0f} tokens/step), "
-                    f"final loss {m.final_loss:.3f}, load {os.getloadavg()[0]:.1f}",
+                    f"final loss {m.final_loss:.3f}, load {os.getloadavg()[0]:.1f}{_mfu(m, args)}",
                     flush=True,
                 )
     print_table(results)

@@ -45,7 +45,7 @@ python3 -c "import sys, torch, transformers, trl; print('python', sys.version.sp
 'transformers', transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
 
 common=(--device cuda --dtype bfloat16 --threads 4)
-for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft}; do
+for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft dpo}; do
     case $name in
     pytest-cuda)
         TAIL=30 step pytest-cuda "${PYTEST_S:-140}" python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 100 \
@@ -66,7 +66,10 @@ for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft}; do
             --mid-max-tokens 64 --no-server --work-dir /tmp/gpu-bench-models "${common[@]}" ;;
     sft)
         step sft "${SFT_S:-170}" python3 benchmarks/sft_throughput.py --model large --data mixed --batch-size 32 \
-            --steps 40 --warmup-steps 10 --repeats 2 "${common[@]}" ;;
+            --steps 40 --warmup-steps 10 --repeats "${SFT_REPEATS:-2}" "${common[@]}" ;;
+    dpo)  # arithmetic pairs (short rows: launch-bound on a GPU), a frozen reference scored every step
+        step dpo "${DPO_S:-120}" python3 benchmarks/dpo_throughput.py --model large --batch-size 32 \
+            --steps 40 --warmup-steps 10 --repeats "${DPO_REPEATS:-2}" "${common[@]}" ;;
     esac
 done
 echo "total $(( $(date +%s) - started ))s"
