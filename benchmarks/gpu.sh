@@ -13,6 +13,8 @@ set -u
 out=${OUT:-local/gpu-bench}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# transformers 5.25 fetches hub kernels on CUDA by default: off for TRL too (rollout passes use_kernels=False)
+export USE_HUB_KERNELS=0
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1

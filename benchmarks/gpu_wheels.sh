@@ -10,7 +10,7 @@ py=${PY:-.venv/bin/python}
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 mkdir -p .whl
 pkgs="pydantic pydantic-core annotated-types typing-inspection typing-extensions blake3 python-ulid sqlalchemy
-trl datasets dill multiprocess fsspec regex transformers tokenizers fastapi starlette uvicorn opentelemetry-api
+trl datasets dill multiprocess fsspec regex transformers tokenizers huggingface-hub click hf-xet kernels tomlkit fastapi starlette uvicorn opentelemetry-api
 openai httpx2 httpcore2 jiter sniffio distro truststore idna anyio h11"
 for p in $pkgs; do
     v=$($py -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')

@@ -109,6 +109,8 @@ def load_hf_engine(
     (`lean`: prefill and decode through `rollout.models.lean_decoder` where the model has one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rollout.models.load import NO_HUB_KERNELS
+
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     if device == "auto":
@@ -120,6 +122,7 @@ def load_hf_engine(
             dtype=DTYPES[dtype],
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
+            **NO_HUB_KERNELS,
         )
     except Exception as err:  # transformers raises OSError / ValueError / hub errors
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

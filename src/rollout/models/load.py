@@ -33,6 +33,14 @@ class ModelSource:
     trust_remote_code: bool = False
 
 
+# transformers 5.25 swaps layers for kernels fetched from the hub on CUDA unless told not to
+# (`use_kernels`, on by default there): code run from a download nobody asked for, not the modules
+# the lean decoder and the bit-level tests read, and, offline, a model that does not load at all
+# (seen on a lent H200: "Version 2 of 'kernels-community/rotary' is not available in the local
+# cache"). Every model rollout loads passes this.
+NO_HUB_KERNELS: dict[str, bool] = {"use_kernels": False}
+
+
 def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
@@ -60,6 +68,7 @@ def load_model(source: ModelSource, *, task: ModelTask, pad_token_id: int, seed:
         trust_remote_code=source.trust_remote_code,
         dtype=getattr(torch, source.dtype),
         attn_implementation="sdpa",
+        **NO_HUB_KERNELS,
     )
     try:
         if task == "causal_lm":
