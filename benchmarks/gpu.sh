@@ -6,7 +6,7 @@
 # each step has its own time limit, so one failure leaves the others' figures.
 # With BASE=<a checkout's src folder> (e.g. `.base/src` from `git archive HEAD src`, carried too),
 # the engine's decode rate is also timed under both trees, alternately (engine_timing.py).
-# STEPS picks and orders the steps (default: all, the suite first).
+# STEPS picks and orders the steps (default: all, the suite first); a preflight runs before them.
 #
 #     bash benchmarks/gpu.sh            # ~8 minutes on one H100/H200
 set -u
@@ -45,6 +45,32 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the whole log under $out, pr
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import sys, torch, transformers, trl; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'transformers', transformers.__version__, 'trl', trl.__version__, torch.cuda.get_device_name())"
+
+# preflight (~20 s): the imports and one model load and generation on the GPU, both libraries' way,
+# before any step spends device time (a missing or mismatched wheel fails every step alike)
+if ! timeout 120 python3 - <<'PY'
+import tempfile
+from pathlib import Path
+
+import datasets  # noqa: F401
+import torch
+import trl  # noqa: F401
+from transformers import AutoModelForCausalLM
+
+from rollout.inference import SamplingParams
+from rollout.inference.hf_engine import load_hf_engine
+from rollout.models.tiny import init_tiny_model
+
+model_dir = init_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+engine = load_hf_engine(model_dir, dtype="bfloat16", device="cuda")
+[[completion]] = engine.generate(["2+2="], SamplingParams(max_tokens=4, ignore_eos=True, seed=0))
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda")
+print("preflight ok:", completion.completion_tokens, "tokens generated;", sum(p.numel() for p in model.parameters()), "params")
+PY
+then
+    echo "preflight failed: nothing else run (bash benchmarks/gpu_wheels.sh carries the venv's packages)"
+    exit 1
+fi
 
 common=(--device cuda --dtype bfloat16 --threads 4)
 for name in ${STEPS:-pytest-cuda grpo engine-ab generation sft dpo}; do
