@@ -143,6 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_precision_args(p)
     p.add_argument(
+        "--warmup-runs", type=int, default=None,
+        help="untimed short runs of each library before the repeats (default: 1 on cuda, 0 on cpu): on a "
+        "fresh GPU the process's first run trained at a third of the later runs' pace (2026-12-04)",
+    )
+    p.add_argument(
         "--omp-passive",
         action="store_true",
         help="set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep instead of spinning): "
@@ -154,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_steps < 1 or args.steps < max(args.warmup_steps + 5, LOSS_WINDOW):
         p.error(f"--steps must be >= {LOSS_WINDOW} and exceed --warmup-steps (>= 1) by at least 5")
+    if args.warmup_runs is None:
+        args.warmup_runs = 1 if args.device == "cuda" else 0
+    if args.warmup_runs < 0:
+        p.error("--warmup-runs must be >= 0")
     if args.model_dir is not None:
         if not (args.model_dir / "config.json").is_file():
             p.error(f"--model-dir {args.model_dir}: not a model folder (no config.json)")
@@ -494,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, data_path = prepare_inputs(work, args.model_dir, args.model)
         args.n_params = count_saved_parameters(model_dir)
         print_header(args)
+        short = argparse.Namespace(**{**vars(args), "steps": max(args.warmup_steps + 5, LOSS_WINDOW)})
+        for i in range(args.warmup_runs):  # untimed: the process's first runs pay for what later ones reuse
+            for lib, runner in runners.items():
+                with quiet_stderr():
+                    runner(work / f"warmup-{lib}-{i}", model_dir, data_path, short)
+            print(f"warm-up run {i + 1}/{args.warmup_runs} of each library done (untimed)", flush=True)
         for repeat in range(args.repeats):
             # alternate who goes first, so a load change drifts onto both sides
             order = list(runners) if repeat % 2 == 0 else list(reversed(runners))
