@@ -7,6 +7,8 @@
 # With BASE=<a checkout's src folder> (e.g. `.base/src` from `git archive HEAD src`, carried too),
 # the engine's decode rate is also timed under both trees, alternately (engine_timing.py).
 # STEPS picks and orders the steps (default: all, the suite first); a preflight runs before them.
+# TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (torch's own switch) keeps cuDNN attention, which builds a plan for
+# every new shape, last in SDPA's order: the A/B that results/2026-12-04-h200.md asks for.
 #
 #     bash benchmarks/gpu.sh            # ~8 minutes on one H100/H200
 set -u
