@@ -126,8 +126,28 @@ def torch_dtype(args: argparse.Namespace) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def mfu(tokens_per_s: float, n_params: int, device: str) -> str:
-    """Model FLOPs utilisation of a training run (6 N FLOPs per token; attention left out), CUDA only."""
+def mfu(tokens_per_s: float, n_params: int, device: str, flops_per_param: int = 6) -> str:
+    """Model FLOPs utilisation of a training run, CUDA only: `flops_per_param` x N FLOPs per token (6: a
+    forward and backward; DPO adds its reference's forward, 8), attention left out."""
     if device != "cuda":
         return ""
-    return f", MFU {6 * n_params * tokens_per_s / PEAK_BF16_FLOPS:.1%} of 989 TFLOP/s"
+    return f", MFU {flops_per_param * n_params * tokens_per_s / PEAK_BF16_FLOPS:.1%} of 989 TFLOP/s"
+
+
+class TokenCounter:
+    """A forward pre-hook (`module.register_forward_pre_hook(counter.hook, with_kwargs=True)`) that
+    counts the non-pad input tokens of every training forward, kept as tensors (no device sync a step);
+    `total(start, end)` sums the counts of forwards start..end-1. A batch without an attention mask
+    (padding-free, packed) counts every token."""
+
+    def __init__(self) -> None:
+        self.counts: list[object] = []
+
+    def total(self, start: int, end: int) -> int:
+        return sum(int(c) for c in self.counts[start:end])
+
+    def hook(self, module: object, args: tuple, kwargs: dict) -> None:
+        if not getattr(module, "training", False):
+            return
+        mask = kwargs.get("attention_mask")
+        self.counts.append(mask.sum() if mask is not None else kwargs["input_ids"].numel())

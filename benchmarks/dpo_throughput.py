@@ -83,9 +83,10 @@ from pathlib import Path
 
 from bench_common import (
     MODEL_SIZES,
-    PEAK_BF16_FLOPS,
+    TokenCounter,
     add_cpu_matmul_arg,
     add_precision_args,
+    mfu,
     no_activation_checkpointing,
     prepare_trl_process,
     quiet_stderr,
@@ -349,7 +350,7 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
         checkpointing = "is_gradient_checkpointing"
     assert not getattr(model, checkpointing), "TRL turned on activation checkpointing"
 
-    counter = _TokenCounter()
+    counter = TokenCounter()
     model.register_forward_pre_hook(counter.hook, with_kwargs=True)
     losses: list[torch.Tensor] = []
     compute_loss = trainer.compute_loss
@@ -384,22 +385,6 @@ def run_trl(work: Path, model_dir: Path, data_path: Path, args: argparse.Namespa
         tokens=counter.total(marks[first][1], marks[last][1]),
         final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).float().mean()),
     )
-
-
-class _TokenCounter:
-    """Non-pad input tokens of every training forward of the policy, kept as tensors (no device sync)."""
-
-    def __init__(self) -> None:
-        self.counts: list[object] = []
-
-    def hook(self, module: object, args: tuple, kwargs: dict) -> None:
-        if not getattr(module, "training", False):
-            return
-        mask = kwargs.get("attention_mask")
-        self.counts.append(mask.sum() if mask is not None else kwargs["input_ids"].numel())
-
-    def total(self, start: int, end: int) -> int:
-        return sum(int(c) for c in self.counts[start:end])
 
 
 # --------------------------------------------------------------------------- report
@@ -485,10 +470,8 @@ def print_table(results: dict[str, list[Measurement]]) -> None:
 
 
 def _mfu(m: Measurement, args: argparse.Namespace) -> str:
-    """CUDA only: 8 N FLOPs per policy token (policy forward + backward 6 N, reference forward 2 N)."""
-    if args.device != "cuda" or args.precompute_ref:
-        return ""
-    return f", MFU {8 * args.n_params * m.tokens / m.seconds / PEAK_BF16_FLOPS:.1%} of 989 TFLOP/s"
+    """8 N FLOPs per policy token (policy forward + backward 6 N, the reference's forward 2 N)."""
+    return "" if args.precompute_ref else mfu(m.tokens / m.seconds, args.n_params, args.device, flops_per_param=8)
 
 
 def main(argv: list[str] | None = None) -> int:

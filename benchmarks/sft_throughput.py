@@ -94,6 +94,7 @@ from pathlib import Path
 
 from bench_common import (
     MODEL_SIZES,
+    TokenCounter,
     add_cpu_matmul_arg,
     add_precision_args,
     mfu,
@@ -340,7 +341,7 @@ def run_trl(
     # the token counter below takes every token of a padding-free row as real
     assert getattr(trainer.data_collator, "pad_to_multiple_of", None) is None, "TRL pads to a multiple"
 
-    counter = _TokenCounter()
+    counter = TokenCounter()
     trainer.model.register_forward_pre_hook(counter.hook, with_kwargs=True)
     losses: list[torch.Tensor] = []
     compute_loss = trainer.compute_loss
@@ -370,25 +371,6 @@ def run_trl(
         seconds=marks[last][0] - marks[first][0],
         final_loss=float(torch.stack(losses[-LOSS_WINDOW:]).float().mean()),
     )
-
-
-class _TokenCounter:
-    """Counts non-pad input tokens of every training forward (kept as tensors: no sync per step)."""
-
-    def __init__(self) -> None:
-        self.counts: list[object] = []
-
-    def total(self, start: int, end: int) -> int:
-        return sum(int(c) for c in self.counts[start:end])
-
-    def hook(self, module: object, args: tuple, kwargs: dict) -> None:
-        if not getattr(module, "training", False):
-            return
-        mask = kwargs.get("attention_mask")
-        ids = kwargs["input_ids"]
-        # padding-free (packed) batches carry no attention_mask and no padding
-        # (pad_to_multiple_of is None off Neuron): every token is real.
-        self.counts.append(mask.sum() if mask is not None else ids.numel())
 
 
 # --------------------------------------------------------------------------- report
