@@ -385,7 +385,8 @@ def _run_missing(
 
 
 class _OutputFile:
-    """`--output`: appended as samples are stored; rewritten (atomically) from the store's rows."""
+    """`--output`: appended as samples are stored; rewritten (atomically) from the store's rows at
+    the start (so a line torn by a kill mid-append is gone on resume) and at the end."""
 
     def __init__(self, path: Path, eval_id: str) -> None:
         self.path = Path(path)
