@@ -82,7 +82,7 @@ def _steps(model, forward):
     return out, cache, mask
 
 
-@pytest.mark.parametrize("weights", ["as-is", "onednn", "transposed"])
+@pytest.mark.parametrize("weights", ["as-is", "onednn", "transposed", "gpu-stacked"])
 @pytest.mark.parametrize(
     "arch,heads,kv_heads",
     [("qwen2", 4, 2), ("qwen2", 4, 4), ("llama", 4, 1), ("mistral", 4, 2), ("qwen3", 4, 2)],
@@ -95,9 +95,12 @@ def test_logits_and_cache_match_the_model(arch, heads, kv_heads, weights, monkey
     if weights == "transposed":  # small weights, or no oneDNN linear in torch: a transposed copy
         monkeypatch.setattr(lean_module, "_onednn_linear", lambda: False)
     model = _model(arch, heads=heads, kv_heads=kv_heads)
-    lean = lean_decoder(model, prepacked=weights != "as-is")
+    if weights == "gpu-stacked":  # what the engine runs on a GPU, here on the CPU
+        lean = lean_decoder(model, stacked=True, fused_norms=True)
+    else:
+        lean = lean_decoder(model, prepacked=weights != "as-is")
     assert lean is not None
-    if weights != "as-is":
+    if weights in ("onednn", "transposed"):
         packed = lean_module.prepack_weight(model.lm_head.weight.detach())
         assert packed.is_mkldnn == (weights == "onednn")
     ours, our_cache, mask = _steps(model, lambda m, *a: lean(*a))
@@ -382,6 +385,58 @@ def test_stacked_projections_give_each_layers_product(layout, monkeypatch):
         lean.set_prepacked(False)  # the weights as they are: one product per layer, the same values
         for part, layer in zip(lean._linears(layers, x), layers, strict=True):
             assert torch.equal(part, layer(x))
+
+
+def test_gpu_options_stack_plain_copies_that_follow_weight_changes():
+    """`stacked` (the engine on a GPU): q/k/v and gate/up multiply as one copy of their weights as
+    they are ([out, in], no oneDNN layout), the other products by the weights themselves; the
+    copies are dropped by `refresh` and made from the new weights; not with prepacked copies."""
+    model = _model("qwen2")
+    lean = lean_decoder(model, stacked=True, fused_norms=True)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    x = torch.randn(3, 1, model.config.hidden_size)
+    with torch.inference_mode():
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            for part, proj in zip(lean._linears(group, x), group, strict=True):
+                assert torch.allclose(part, proj(x), atol=1e-6, rtol=0)
+        assert len(lean._prepacked) == 2
+        assert all(not w.is_mkldnn and w.shape[1] == x.shape[-1] for w, _ in lean._prepacked.values())
+        lean._linear(attn.o_proj, torch.randn(3, 1, attn.o_proj.in_features))
+        assert len(lean._prepacked) == 2  # single products: no copy
+        before = attn.k_proj(x)
+        with torch.no_grad():
+            attn.k_proj.weight.mul_(-1)
+        stale = lean._linears((attn.q_proj, attn.k_proj, attn.v_proj), x)[1]
+        assert torch.allclose(stale, before, atol=1e-6, rtol=0)  # a copy of the old weights...
+        lean.refresh()
+        fresh = lean._linears((attn.q_proj, attn.k_proj, attn.v_proj), x)[1]
+        assert torch.allclose(fresh, attn.k_proj(x), atol=1e-6, rtol=0)  # ...until the refresh
+    for other in ({"prepacked": True}, {"invariant": True}):
+        with pytest.raises(ValueError, match="stacked"):
+            lean_decoder(model, stacked=True, **other)
+
+
+def test_fused_norms_round_once_where_transformers_rounds_twice():
+    """`fused_norms` is torch's `rms_norm`: in float32 transformers' bits; in bfloat16 within a
+    rounding of them (it scales before its one cast, transformers casts, then scales)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    torch.manual_seed(0)
+    model = _model("qwen2")
+    fused = lean_decoder(model, fused_norms=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = Qwen2RMSNorm(128, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(128))
+        x = (torch.randn(16, 3, 128) * 3).to(dtype)
+        ours, theirs = fused._norm(norm, x), norm(x)
+        if dtype == torch.float32:
+            assert torch.equal(ours, theirs)
+        else:
+            ulp = theirs.float().abs() * 2.0**-7
+            assert bool(((ours.float() - theirs.float()).abs() <= ulp).all())
+            assert not torch.equal(ours, theirs)  # it does round differently somewhere
 
 
 def test_models_it_does_not_run_get_none():

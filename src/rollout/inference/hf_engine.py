@@ -161,10 +161,16 @@ class HFEngine:
         on_cpu = next(model.parameters()).device.type == "cpu"
         small = sum(p.numel() * p.element_size() for p in model.parameters()) <= PREPACKED_MAX_BYTES
         self._prepack = on_cpu and small and pad_multiple == 1
-        self.lean = lean_decoder(model, prepacked=self._prepack, invariant=pad_multiple > 1) if lean else None
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        self.lean = lean_decoder(
+            model, prepacked=self._prepack, invariant=pad_multiple > 1,
+            stacked=on_gpu and small and pad_multiple == 1, fused_norms=on_gpu,
+        ) if lean else None
         """The lean prefill/decode forward (`rollout.models.lean_decoder`) where the model has one;
         on the CPU, for weights up to `PREPACKED_MAX_BYTES`, with prepacked weight copies; under
-        `pad_multiple`, every product on a fixed number of rows instead (`INVARIANT_ROWS`)."""
+        `pad_multiple`, every product on a fixed number of rows instead (`INVARIANT_ROWS`). On a GPU,
+        with fewer launches a layer: fused RMSNorms, and for weights up to `PREPACKED_MAX_BYTES`
+        stacked q/k/v and gate/up copies (`LeanDecoder`)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_batch_size = max_batch_size
@@ -375,9 +381,9 @@ class HFSession:
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=engine.device)  # (rows, cache_len)
         self.next_tokens = torch.zeros(0, dtype=torch.long, device=engine.device)  # fed at the next step
         self.positions = torch.zeros(0, dtype=torch.long, device=engine.device)  # next position id per row
-        self.temperature = torch.zeros(0, device=engine.device)
-        self.top_k = torch.zeros(0, dtype=torch.long, device=engine.device)
-        self.top_p = torch.zeros(0, device=engine.device)
+        self.temperature = torch.zeros(0)  # the sampling params stay on the CPU (`choose_tokens`)
+        self.top_k = torch.zeros(0, dtype=torch.long)
+        self.top_p = torch.zeros(0)
         self.finished: list[tuple[GenerationRequest, tuple[Completion, ...]]] = []
         self.waiting: deque[list[PreparedRequest]] = deque()  # only for caches that can't be merged
 
@@ -519,14 +525,13 @@ class HFSession:
 
     def _join(self, rows: list[_Row], cache: Any, mask: torch.Tensor, logits: torch.Tensor) -> None:
         """Merge freshly prefilled rows into the batch and sample their first token."""
-        device = self.engine.device
         new = _BatchState(
             cache=cache,
             mask=mask,
             positions=mask.sum(-1),
-            temperature=torch.tensor([r.job.params.temperature for r in rows], device=device),
-            top_k=torch.tensor([r.job.params.top_k for r in rows], dtype=torch.long, device=device),
-            top_p=torch.tensor([r.job.params.top_p for r in rows], device=device),
+            temperature=torch.tensor([r.job.params.temperature for r in rows]),
+            top_k=torch.tensor([r.job.params.top_k for r in rows], dtype=torch.long),
+            top_p=torch.tensor([r.job.params.top_p for r in rows]),
         )
         self._merge(rows, new)
         self._advance(logits, first=len(self.rows) - len(rows))
@@ -594,7 +599,7 @@ class HFSession:
         for j in range(params.n):
             generator = None
             if not params.greedy:
-                generator = torch.Generator(device=self.engine.device)
+                generator = torch.Generator()  # on the CPU, also for a GPU engine (`choose_tokens`)
                 generator.manual_seed(derive_seed(seed, j))
             text = IncrementalText(self.engine.tokenizer, params.stop) if needs_text else None
             top = [] if params.top_logprobs else None
@@ -742,9 +747,12 @@ class HFSession:
             for name in ("next_tokens", "positions", "temperature", "top_k", "top_p"):
                 setattr(self, name, getattr(self, name)[:0])
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        for name in ("mask", "next_tokens", "positions", "temperature", "top_k", "top_p"):
+        host_index = torch.tensor(keep, dtype=torch.long)
+        index = host_index.to(self.engine.device, non_blocking=True)
+        for name in ("mask", "next_tokens", "positions"):
             setattr(self, name, getattr(self, name).index_select(0, index))
+        for name in ("temperature", "top_k", "top_p"):
+            setattr(self, name, getattr(self, name).index_select(0, host_index))
         dead = (
             int(self.mask.any(dim=0).long().argmax()) if _mergeable(self.cache) else 0
         )  # leading pad-only columns
@@ -803,7 +811,7 @@ def _logprob_logits(logits: torch.Tensor, rows: Sequence[_Row]) -> torch.Tensor:
     ]
     if all(t == 1.0 for t in temps):
         return logits
-    return logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device).unsqueeze(-1)
+    return logits / torch.tensor(temps, dtype=logits.dtype).to(logits.device, non_blocking=True).unsqueeze(-1)
 
 
 def _select_cache_rows(cache: Any, index: torch.Tensor) -> None:

@@ -15,6 +15,12 @@ exponential race, argmax p_i / E_i, used before): torch's CPU `exponential_`
 costs ~25 ns an element, 3.9 ms a row a step at a 151,936-token vocabulary,
 where this whole draw takes ~0.35 ms (benchmarks/README.md, "Sampling by
 inverse CDF").
+
+On a GPU the per-row parameters and generators stay on the CPU: the decisions that read them
+(which rows draw, whether any filter applies) need no read-back from the device, the uniforms are
+drawn on the host, and one copy a step takes them to the device (not a one-element `torch.rand`
+launch a row and a `stack`); every copy to the device is non-blocking (from pageable memory
+the driver stages it at once).
 """
 
 from __future__ import annotations
@@ -31,35 +37,42 @@ def choose_tokens(
     top_p: torch.Tensor,
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """The next token of each row. logits: (rows, vocab) float32; the rest are per-row (rows,).
+    """The next token of each row. logits: (rows, vocab) float32; the rest are per-row (rows,), on
+    the CPU or on the logits' device (then each is read back once); the generators on the CPU (one
+    on the device works, its uniform read back row by row).
 
     Filtering order is temperature, then top-k (`top_k <= 0` keeps all), then
     top-p over what top-k kept (the smallest set of most likely tokens whose
     mass reaches `top_p`; the most likely token always survives). A row with
     no generator is greedy whatever its temperature.
     """
+    device = logits.device
+    temperature, top_k, top_p = temperature.cpu(), top_k.cpu(), top_p.cpu()
     temperatures = temperature.tolist()
     drawing = [g is not None and t > 0 for g, t in zip(generators, temperatures, strict=True)]
     if not any(drawing):
         return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
-    sampling = torch.tensor(drawing, device=logits.device)
+    sampling = torch.tensor(drawing)
     if all(t == 1.0 or not draw for t, draw in zip(temperatures, drawing, strict=True)):
         scaled = logits  # dividing by 1 changes no bit
     else:
-        scaled = logits / torch.where(sampling, temperature, torch.ones_like(temperature)).unsqueeze(-1)
+        divisor = torch.where(sampling, temperature, torch.ones_like(temperature))
+        scaled = logits / _to(divisor, device).unsqueeze(-1)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     if bool((k < vocab).any()) or bool((top_p < 1).any()):
-        scaled = _filter_top_k_top_p(scaled, k, top_p)
-    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
-    uniforms = torch.stack(
-        [
-            torch.rand((), generator=g, dtype=torch.float64, device=logits.device) if draw else zero
-            for g, draw in zip(generators, drawing, strict=True)
-        ]
-    )
-    sampled = inverse_cdf(scaled.softmax(dim=-1), uniforms)
-    return sampled if all(drawing) else torch.where(sampling, sampled, logits.argmax(dim=-1))
+        scaled = _filter_top_k_top_p(scaled, _to(k, device), _to(top_p, device))
+    uniforms = torch.tensor([
+        torch.rand((), generator=g, dtype=torch.float64, device=g.device).item() if draw else 0.0
+        for g, draw in zip(generators, drawing, strict=True)
+    ], dtype=torch.float64)
+    sampled = inverse_cdf(scaled.softmax(dim=-1), _to(uniforms, device))
+    return sampled if all(drawing) else torch.where(_to(sampling, device), sampled, logits.argmax(dim=-1))
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`: a CPU tensor's copy to a GPU does not wait for the device's queue."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -51,10 +51,13 @@ MAX_PACKED_PREFILL = 1 << 24
 
 
 def lean_decoder(
-    model: Any, *, prepacked: bool = False, head: bool = True, invariant: bool = False
+    model: Any, *, prepacked: bool = False, head: bool = True, invariant: bool = False, stacked: bool = False,
+    fused_norms: bool = False,
 ) -> LeanDecoder | None:
     """The lean forward of `model` (a transformers causal LM), or None when it can't run it.
     `prepacked`: multiply by copies of the weights laid out for the CPU's products (see `LeanDecoder`).
+    `stacked`, `fused_norms`: fewer kernel launches a layer, for an inference engine on a GPU (see
+    `LeanDecoder`).
     `invariant`: every product on a fixed number of rows (`INVARIANT_ROWS`) and attention by the
     math kernel (`INVARIANT_ATTENTION`), so a row's results do not depend on how many rows share
     the pass.
@@ -84,7 +87,7 @@ def lean_decoder(
             return None
     if not _is_rms_norm(getattr(inner, "norm", None)) or getattr(inner, "rotary_emb", None) is None:
         return None
-    return LeanDecoder(model, prepacked=prepacked, invariant=invariant)
+    return LeanDecoder(model, prepacked=prepacked, invariant=invariant, stacked=stacked, fused_norms=fused_norms)
 
 
 def lean_hidden_states(
@@ -203,15 +206,35 @@ class LeanDecoder:
 
     With `invariant`, every product runs on exactly `INVARIANT_ROWS` rows of activations (no
     prepacked copies) and attention on `INVARIANT_ATTENTION`'s kernel: what the batch-invariant
-    engine (`hf_engine.BATCH_INVARIANT_PAD`) needs."""
+    engine (`hf_engine.BATCH_INVARIANT_PAD`) needs.
 
-    def __init__(self, model: Any, *, prepacked: bool = False, invariant: bool = False) -> None:
+    Two options cut the kernel launches of a step where each launch costs more than its work (a
+    GPU decoding a small model: ~37 launches a layer, benchmarks/results/2026-12-04-h200.md), for
+    an inference engine only (training keeps transformers' bits). `stacked`: the q/k/v and the
+    gate/up projections each multiply by one copy of their weights stacked as they are ([out, in],
+    `F.linear`; the other products by the weights themselves): 4 products a layer instead of 7,
+    the same sums per output. The copies are dropped by `refresh()` like prepacked ones. Not with
+    `prepacked`, which stacks those already. `fused_norms`: every RMSNorm is torch's `rms_norm`
+    (one fused kernel on a GPU, where transformers' formula launches eight); it scales the float32
+    normalised values by the weight before the one cast to the input's dtype, where transformers
+    casts and then scales, so in bfloat16 a value may differ from transformers' by a rounding.
+    Together, a bfloat16 Qwen2 decode step dispatches 25 computing operations a layer instead of 44
+    (counted with a `TorchDispatchMode` on the CPU: 177 -> 102 for 4 layers and the head)."""
+
+    def __init__(
+        self, model: Any, *, prepacked: bool = False, invariant: bool = False, stacked: bool = False,
+        fused_norms: bool = False,
+    ) -> None:
         if prepacked and invariant:
             raise ValueError("a batch-invariant lean decoder multiplies by the weights as they are (no prepacked copies)")
+        if stacked and (prepacked or invariant):
+            raise ValueError("stacked weight copies are for a lean decoder without prepacked copies or fixed row counts")
         config = model.config
         self.model = model
         self.prepacked = prepacked
         self.invariant = invariant
+        self.stacked = stacked
+        self.fused_norms = fused_norms
         self._prepacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -293,7 +316,7 @@ class LeanDecoder:
         (q/k/v, gate/up: one copy made once, fewer and wider products), split into views."""
         if self.invariant:
             return tuple(_fixed_rows_linear(x, layer.weight, layer.bias) for layer in layers)
-        if not self.prepacked:
+        if not (self.prepacked or self.stacked):
             return tuple(cpu_matmul.linear(x, layer.weight, layer.bias) for layer in layers)
         return self._packed_product(layers, x).split([layer.out_features for layer in layers], dim=-1)
 
@@ -301,8 +324,10 @@ class LeanDecoder:
         key = tuple(id(layer) for layer in layers)
         packed = self._prepacked.get(key)
         if packed is None:
-            packed = self._prepacked[key] = _pack_stacked(layers)
+            packed = self._prepacked[key] = _pack_stacked(layers, prepack=self.prepacked)
         weight, bias = packed
+        if self.stacked:
+            return F.linear(x, weight, bias)
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         out = torch.matmul(x, weight)
@@ -318,7 +343,12 @@ class LeanDecoder:
         return x, cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(self.model.lm_head, _rms_norm(self.model.model.norm, hidden))
+        return self._linear(self.model.lm_head, self._norm(self.model.model.norm, hidden))
+
+    def _norm(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_norms:
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+        return _rms_norm(norm, x)
 
     def _layer(
         self, layer: Any, store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -330,12 +360,12 @@ class LeanDecoder:
         gives the same forward but other gradient bits (the key/value projections' sums)."""
         rows, t, _ = x.shape
         attn, mlp = layer.self_attn, layer.mlp
-        h = _rms_norm(layer.input_layernorm, x)
+        h = self._norm(layer.input_layernorm, x)
         shape = (rows, t, -1, self.head_dim)
         q, k, v = self._linears((attn.q_proj, attn.k_proj, attn.v_proj), h)
         q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head
-            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         keys, values = store(k, v)
@@ -351,7 +381,7 @@ class LeanDecoder:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=attn.scaling)
         out = out.reshape(rows, self.heads, t, self.head_dim).transpose(1, 2).reshape(rows, t, -1)
         x = x + self._linear(attn.o_proj, out)
-        h = _rms_norm(layer.post_attention_layernorm, x)
+        h = self._norm(layer.post_attention_layernorm, x)
         gate, up = self._linears((mlp.gate_proj, mlp.up_proj), h)
         return x + self._linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
@@ -458,9 +488,9 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-def _pack_stacked(layers: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights stacked along their outputs (`prepack_weight`) and their biases (zeros
-    where a layer has none; None when none has one)."""
+def _pack_stacked(layers: tuple[torch.nn.Linear, ...], *, prepack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked along their outputs (`prepack_weight`, or as they are [out, in]
+    without `prepack`) and their biases (zeros where a layer has none; None when none has one)."""
     weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
     bias = None
     if any(layer.bias is not None for layer in layers):
@@ -469,7 +499,7 @@ def _pack_stacked(layers: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, to
             else layer.weight.new_zeros(layer.out_features)
             for layer in layers
         ])
-    return prepack_weight(weight), bias
+    return (prepack_weight(weight) if prepack else weight), bias
 
 
 def _fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
