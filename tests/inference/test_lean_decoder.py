@@ -473,11 +473,12 @@ def test_the_engine_makes_the_same_completions_with_and_without_it(tiny_model_di
 
 
 
-@pytest.mark.parametrize("layout", ["onednn", "transposed"])
+@pytest.mark.parametrize("layout", ["onednn", "transposed", "gpu-stacked"])
 def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, other_weights_dir, layout, monkeypatch):
     """On the CPU the engine multiplies by prepacked copies of the weights: a weight push, a
     trainer's in-place step on shared parameters (then the push it must make), and sharing a
-    policy's parameters each leave it generating what transformers' forward does."""
+    policy's parameters each leave it generating what transformers' forward does. "gpu-stacked":
+    the same with the lean decoder a GPU engine runs (stacked plain copies, fused norms)."""
     from transformers import AutoModelForCausalLM
 
     from rollout.models import lean_decoder as lean_module
@@ -485,7 +486,9 @@ def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, othe
     monkeypatch.setattr(lean_module, "PACK_MIN_ELEMENTS", 0 if layout == "onednn" else 1 << 62)
     lean = load_hf_engine(tiny_model_dir, max_batch_size=6, device="cpu")  # the copies are the CPU's
     plain = load_hf_engine(tiny_model_dir, max_batch_size=6, lean=False, device="cpu")
-    assert lean.lean is not None and lean.lean.prepacked
+    if layout == "gpu-stacked":
+        lean.lean = lean_decoder(lean.model, stacked=True, fused_norms=True)
+    assert lean.lean is not None and (lean.lean.stacked if layout == "gpu-stacked" else lean.lean.prepacked)
     requests = [GenerationRequest("What is 3+4?", params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
                 GenerationRequest("the model", params=SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5))]
 
@@ -496,6 +499,8 @@ def test_prepacked_weight_copies_follow_every_weight_change(tiny_model_dir, othe
 
     before = same()
     assert {w.is_mkldnn for w, _ in lean.lean._prepacked.values()} == {layout == "onednn"}
+    assert len(lean.lean._prepacked) == (2 * len(lean.model.model.layers) if layout == "gpu-stacked" else
+                                         4 * len(lean.model.model.layers) + 1)
     for engine in (lean, plain):  # a push from disk
         engine.update_weights(other_weights_dir)
     pushed = same()
