@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,7 +124,7 @@ def count_grpo_train(steps: int) -> None:
     ops = {"pass": collections.Counter(), "optimizer": collections.Counter()}
 
     def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if getattr(fn, "__code__", None) is not None and fn.__code__.co_flags & 0x80:  # a coroutine function
+        if inspect.iscoroutinefunction(fn):  # the backend's methods are async
             @functools.wraps(fn)
             async def awaited(*a: Any, **kw: Any) -> Any:
                 if not counting[0] or inside[0]:

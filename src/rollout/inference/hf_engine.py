@@ -158,10 +158,10 @@ class HFEngine:
         """Batch-invariant log-probs when > 1 (see `BATCH_INVARIANT_PAD`): the cache width is kept a
         multiple of it, so a row's left padding changes only by whole multiples with the batch."""
         self.model = model
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        device_type = next(model.parameters()).device.type
         small = sum(p.numel() * p.element_size() for p in model.parameters()) <= PREPACKED_MAX_BYTES
-        self._prepack = on_cpu and small and pad_multiple == 1
-        on_gpu = next(model.parameters()).device.type == "cuda"
+        self._prepack = device_type == "cpu" and small and pad_multiple == 1
+        on_gpu = device_type == "cuda"
         self.lean = lean_decoder(
             model, prepacked=self._prepack, invariant=pad_multiple > 1,
             stacked=on_gpu and small and pad_multiple == 1, fused_norms=on_gpu,
