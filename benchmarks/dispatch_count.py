@@ -13,6 +13,10 @@ kernels: on a GPU most computing operations are one launch each, a few are more 
 engine ran it on a GPU until 2026-12-05 (`lean_decoder(model)`), as it runs it now (`stacked`,
 `fused_norms`), and through `model(...)` with a `DynamicCache` (what `generate` calls each step).
 
+Read-backs are counted beside the operations: a value read (`_local_scalar_dense`: `item`, `float`,
+`bool` of a tensor), a `nonzero`, a boolean mask's indexing, a `tolist`; on a GPU each makes the
+host wait for the device.
+
 `grpo-train`: `benchmarks/grpo_step.py`'s settings (tiny model, 2 prompts x 8 completions, float32),
 a few steps of each library, counting inside the training pass only (rollout: the backend's
 `forward_backward` and `optim_step`; TRL: `compute_loss`, `Accelerator.backward`,
@@ -40,25 +44,61 @@ METADATA = frozenset({
 """Operations that make a view or read metadata: no kernel."""
 
 
+NOT_ATEN = frozenset({"mask index", "tolist"})
+"""Counted beside the operations, not operations themselves."""
+READBACKS = frozenset({"_local_scalar_dense", "nonzero", "mask index", "tolist"})
+"""What makes the host wait for a device: a value read (`item`, `float`, `bool`, `int` of a tensor), a
+`nonzero`, a boolean mask's indexing or `masked_select` (the result's size is read), a `tolist`."""
+
+
 class Counter(TorchDispatchMode):
-    """Counts every aten operation dispatched inside it, by name."""
+    """Counts every aten operation dispatched inside it, by name, and every `Tensor.tolist` call
+    (on the CPU `tolist` reads memory without dispatching anything; on a GPU it is a read-back)."""
 
     def __init__(self, ops: collections.Counter[str]) -> None:
         super().__init__()
         self.ops = ops
+        self._tolist: Any = None
+
+    def __enter__(self) -> Counter:
+        tolist = self._tolist = torch.Tensor.tolist
+        ops = self.ops
+
+        def counted(t: torch.Tensor) -> Any:
+            ops["tolist"] += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted  # type: ignore[method-assign,assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name == "masked_select" or (name == "index" and any(  # a boolean mask's indexing: its size is read
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()))):
+            self.ops["mask index"] += 1
         return func(*args, **(kwargs or {}))
 
 
+def readbacks(ops: collections.Counter[str]) -> int:
+    return sum(ops[name] for name in READBACKS)
+
+
+def readback_kinds(ops: collections.Counter[str], per: float) -> str:
+    return ", ".join(f"{name} {ops[name] / per:.1f}" for name in sorted(READBACKS) if ops[name])
+
+
 def computing(ops: collections.Counter[str]) -> int:
-    return sum(n for name, n in ops.items() if name not in METADATA)
+    return sum(n for name, n in ops.items() if name not in METADATA | NOT_ATEN)
 
 
 def top(ops: collections.Counter[str], per: float, n: int = 12) -> str:
     """The n most frequent computing operations, each with its count divided by `per`."""
-    return ", ".join([f"{name} {v / per:.0f}" for name, v in ops.most_common() if name not in METADATA][:n])
+    return ", ".join([f"{name} {v / per:.0f}" for name, v in ops.most_common() if name not in METADATA | NOT_ATEN][:n])
 
 
 def count_decode(layers: int) -> None:
@@ -181,7 +221,9 @@ def count_grpo_train(steps: int) -> None:
           " optimizer-state set-up included); computing operations a step")
     for library, kinds in results.items():
         for kind, c in kinds.items():
-            print(f"  {library} {kind}: {computing(c) / steps:.0f}   ({top(c, steps, 10)})")
+            print(f"  {library} {kind}: {computing(c) / steps:.0f}, read-backs {readbacks(c) / steps:.1f}"
+                  f" [{readback_kinds(c, steps)}]"
+                  f"   ({top(c, steps, 10)})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -462,6 +462,7 @@ class DistributedBackend:
 
     async def forward_backward(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         from rollout.backends.torch_backend import move_to
+        from rollout.losses.metrics import read_metrics
 
         self.step.train()
         loss, metrics = self.step(move_to(batch, self.device), loss_fn)
@@ -469,7 +470,7 @@ class DistributedBackend:
         # (divide factor 1); DDP averages, so its loss is scaled by the world size. (A summing comm
         # hook would not do: DDP reduces the accumulated .grad again at each micro-batch.)
         (loss * self.dist.world_size if self.dist.sharding == "ddp" else loss).backward()
-        return metrics
+        return read_metrics(metrics)  # after the backward is queued: one read-back
 
     async def zero_gradients(self) -> None:  # (each rank its own shards under FSDP2)
         import torch

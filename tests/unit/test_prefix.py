@@ -394,3 +394,51 @@ def test_reward_scores_run_the_decoder_lean_with_the_bits_of_the_model(layout, m
         assert len(calls) == (0 if shared is not None and layout == "cache" else 1)
         assert torch.equal(lean[0], plain[0])
         assert all(torch.equal(lean[1][n], plain[1][n]) for n in plain[1])
+
+
+def test_a_moved_batch_s_log_probs_wait_for_nothing_and_are_the_same_bits(model, layout):
+    """A batch after `.to(device)` carries its completion tokens' flat index, made where the mask
+    was (the host): its training pass (log-probs, entropy, gradients) reads nothing back from the
+    device. Counted on the CPU: `_local_scalar_dense` is a value read, a boolean mask's indexing
+    reads the mask's count; on a GPU each makes the host wait. (The packed layout reads the rows'
+    lengths once with a `tolist`, by design: its layout is built on the host.)"""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Waits(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("_local_scalar_dense", "nonzero") or (name == "index" and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
+                self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    fresh = _batch()
+    moved = fresh.to("cpu")
+    assert moved.completion_index is not None and fresh.completion_index is None
+    sel = fresh.completion_mask
+    assert moved.completion_index.tolist() == sel.reshape(-1).nonzero().squeeze(1).tolist()
+    hidden = torch.randn(*sel.shape, 5)
+    assert torch.equal(moved.completion_tokens(hidden), hidden[sel])
+    assert torch.equal(fresh.completion_tokens(hidden), hidden[sel])
+    grads = []
+    for batch, counted in ((fresh, False), (moved, True)):
+        model.zero_grad()
+        with Waits() as waits:
+            logps, entropy = prefix_logps(model, batch, with_entropy=True)
+            (logps.sum() + entropy.sum()).backward()
+        if counted and layout == "packed":
+            assert waits.counts == {}
+        elif counted:  # the cache layout's second call: transformers' sdpa mask builder reads its mask's
+            # values (`_ignore_causal_mask_sdpa`), as in any transformers forward; nothing of ours does
+            assert set(waits.counts) <= {"_local_scalar_dense"}
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if not counted:
+            first = (logps, entropy)
+    assert torch.equal(first[0], logps) and torch.equal(first[1], entropy)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

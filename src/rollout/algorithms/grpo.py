@@ -51,7 +51,7 @@ from rollout.data.prepared import read_rows_prepared
 from rollout.distributed import Distributed, DistributedBackend, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
-from rollout.losses.grpo import GRPO_METRICS, compute_group_advantages, grpo_loss, grpo_normalizer
+from rollout.losses.grpo import GRPO_METRICS, compute_group_advantages, grpo_loss_terms, grpo_normalizer
 from rollout.models.load import ModelSource, load_tokenizer, load_trainable
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, pad_rows, prefix_logps
 from rollout.progress import TrainProgress
@@ -88,17 +88,17 @@ def train_grpo(cfg: RunConfig, *, resume: str | None = None) -> TrainResult:
 
 
 def make_grpo_loss_fn(s: GRPOConfig, normalizer: float) -> Any:
-    def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, float]]:
+    def loss_fn(model: Any, batch: GRPOBatch) -> tuple[Any, dict[str, Any]]:
         logps, entropy = prefix_logps(model, batch.rows, with_entropy=True, temperature=s.temperature)
         mask = batch.rows.target_mask
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
-        loss, metrics = grpo_loss(
+        loss, metrics = grpo_loss_terms(  # tensors, read back by the backend after the backward
             logps, old, batch.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high, beta=s.beta,
             ref_logps=batch.ref_logps, loss_agg=s.loss_agg, importance_sampling_level=s.importance_sampling_level,
             rollout_logps=batch.rollout_logps if s.tis_cap is not None else None, tis_cap=s.tis_cap,
             normalizer=normalizer,
         )
-        metrics["entropy_sum"] = float(entropy[mask].sum())
+        metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum()
         return loss, metrics
 
     return loss_fn

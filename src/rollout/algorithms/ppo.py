@@ -55,7 +55,7 @@ from rollout.data.prepared import read_rows_prepared
 from rollout.distributed import Distributed, build_backend
 from rollout.errors import AlgorithmError
 from rollout.inference.types import SamplingParams
-from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss, whiten
+from rollout.losses.ppo import compute_gae, kl_penalized_rewards, ppo_loss_terms, whiten
 from rollout.models.load import ModelSource, hf_model, load_model, load_tokenizer, load_trainable
 from rollout.models.prefix import collate_prefix, frozen_prefix_logps, prefix_logps, prefix_outputs
 from rollout.progress import TrainProgress
@@ -121,15 +121,15 @@ def turn_reward_tensor(samples: list[Sample], width: int) -> torch.Tensor:
 
 
 def make_ppo_loss_fn(s: PPOConfig, normalizer: float) -> Any:
-    def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, float]]:
+    def loss_fn(model: Any, b: PPOBatch) -> tuple[Any, dict[str, Any]]:
         logps, entropy = prefix_logps(model.policy, b.rows, with_entropy=True, temperature=s.temperature)
         values = prefix_values(model.value, b.rows)
         mask = b.rows.target_mask
-        loss, metrics = ppo_loss(
+        loss, metrics = ppo_loss_terms(  # tensors, read back by the backend after the backward
             logps, b.old_logps, b.advantages, values, b.old_values, b.returns, mask,
             clip_ratio=s.clip_ratio, clip_value=s.clip_value, vf_coef=s.vf_coef, normalizer=normalizer,
         )
-        metrics["entropy_sum"] = float(entropy[mask].sum())
+        metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum()
         return loss, metrics
 
     return loss_fn

@@ -17,9 +17,11 @@ BatchT = TypeVar("BatchT", contravariant=True)
 
 
 class LossFn(Protocol[BatchT]):
-    """`loss_fn(model, batch) -> (loss, metrics)`: runs the forward pass and a pure loss."""
+    """`loss_fn(model, batch) -> (loss, metrics)`: runs the forward pass and a pure loss. A metric
+    is a float or a detached 0-dim tensor; a torch backend reads the tensors back together after
+    the backward (`rollout.losses.metrics.read_metrics`), and `forward_backward` returns floats."""
 
-    def __call__(self, model: Any, batch: BatchT) -> tuple[Any, dict[str, float]]: ...
+    def __call__(self, model: Any, batch: BatchT) -> tuple[Any, Mapping[str, Any]]: ...
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rollout.backends.base import BackendState, LossFn, OptimStepResult
+from rollout.losses.metrics import read_metrics
 from rollout.models.arch import module_tree
 from rollout.rng import capture_rng_state, restore_rng_state
 
@@ -125,7 +126,7 @@ class TorchBackend:
             self.model.train()
         loss, metrics = loss_fn(self.model, move_to(batch, self.device))
         loss.backward()
-        return metrics
+        return read_metrics(metrics)  # after the backward is queued: one read-back
 
     async def zero_gradients(self) -> None:
         for p in self._params:

@@ -41,6 +41,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rollout.losses.metrics import read_back
+
 RewardScale = Literal["group", "batch", "none"]
 LossAgg = Literal["token_mean", "seq_mean", "dr_grpo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -118,7 +120,7 @@ def compute_importance_ratio(
     return torch.where(mask, ratio, 1.0)
 
 
-def grpo_loss(
+def grpo_loss_terms(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
@@ -133,7 +135,7 @@ def grpo_loss(
     rollout_logps: Tensor | None = None,
     tis_cap: float | None = None,
     normalizer: float,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Clipped GRPO surrogate on B completions: `logps`, `old_logps`, `mask` [B, T]; `advantages` [B].
 
     Per masked token, with r the importance ratio (`compute_importance_ratio`):
@@ -156,7 +158,8 @@ def grpo_loss(
     "seq_mean": Σ over sequences of their mean token loss (normalizer: sequences in the step);
     "dr_grpo": Σ over masked tokens (normalizer: sequences × max completion length).
 
-    Returns `(agg_sum / normalizer, metrics)`; metrics (floats, summed over micro-batches):
+    Returns `(agg_sum / normalizer, metrics)`; metrics (0-dim tensors, or 0.0 where there is no
+    term; floats through `grpo_loss`; summed over micro-batches):
     `loss_sum` (agg_sum), `num_tokens`, `num_seqs` (rows with ≥ 1 masked token),
     `clipped_tokens` (tokens whose clipped branch is active: r > 1 + clip_high with A > 0 or
     r < 1 − clip_low with A < 0, TRL's `clip_ratio/region`), `ratio_sum`, `ratio_max`
@@ -203,21 +206,27 @@ def grpo_loss(
     else:  # token_mean and dr_grpo share the numerator; they differ in the normalizer
         agg_sum = token_loss.sum()
 
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors, no boolean indexing: nothing here waits for the device
         clipped = mask & (((ratio > 1 + clip_high) & (adv > 0)) | ((ratio < 1 - clip_low) & (adv < 0)))
-        num_tokens = int(mask.sum())
-        metrics = {
-            "loss_sum": float(agg_sum),
-            "num_tokens": float(num_tokens),
-            "num_seqs": float(mask.any(-1).sum()),
-            "clipped_tokens": float(clipped.sum()),
-            "ratio_sum": float(ratio[mask].sum()),
-            "ratio_max": float(ratio[mask].max()) if num_tokens else 0.0,
-            "kl_sum": float(kl[mask].sum()) if kl is not None else 0.0,
-            "is_weight_sum": float(is_weight[mask].sum()),
-            "is_capped_tokens": float(is_capped.sum()),
+        masked_max = torch.where(mask, ratio, float("-inf")).max() if ratio.numel() else ratio.new_zeros(())
+        metrics: dict[str, Tensor | float] = {
+            "loss_sum": agg_sum.detach(),
+            "num_tokens": mask.sum(),
+            "num_seqs": mask.any(-1).sum(),
+            "clipped_tokens": clipped.sum(),
+            "ratio_sum": torch.where(mask, ratio, 0.0).sum(),
+            "ratio_max": torch.where(mask.any(), masked_max, 0.0),
+            "kl_sum": torch.where(mask, kl, 0.0).sum() if kl is not None else 0.0,
+            "is_weight_sum": torch.where(mask, is_weight, 0.0).sum(),
+            "is_capped_tokens": is_capped.sum(),
         }
     return agg_sum / normalizer, metrics
+
+
+grpo_loss = read_back(grpo_loss_terms)
+"""`grpo_loss_terms` with its metrics read back as floats, in one transfer. A training loop's loss
+function returns `grpo_loss_terms`' tensors instead, which the backend reads after queuing the
+backward (`rollout.losses.metrics`)."""
 
 
 def grpo_normalizer(loss_agg: LossAgg, masks: Sequence[Tensor], max_completion_len: int) -> float:

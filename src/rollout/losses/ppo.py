@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout.losses.metrics import read_back
+
 
 def kl_penalized_rewards(
     scores: Tensor, logps: Tensor, ref_logps: Tensor, mask: Tensor, *, kl_coef: float
@@ -110,7 +112,7 @@ def whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True) -> Tensor:
     return torch.where(mask, whitened, 0.0)
 
 
-def ppo_loss(
+def ppo_loss_terms(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
@@ -123,7 +125,7 @@ def ppo_loss(
     clip_value: float,
     vf_coef: float,
     normalizer: float,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO policy and value losses (Schulman et al. 2017, arXiv:1707.06347), all inputs [B, T].
 
     Per masked token, with r = exp(logp − old_logp):
@@ -134,7 +136,7 @@ def ppo_loss(
     loss = Σ (policy + vf_coef·value) / normalizer (the step's masked token count). The value
     clip is the one of OpenAI's baselines / TRL. Gradients flow through `logps` and `values`.
 
-    Metrics (floats, summed over micro-batches): `loss_sum`, `policy_loss_sum`,
+    Metrics (0-dim tensors; floats through `ppo_loss`; summed over micro-batches): `loss_sum`, `policy_loss_sum`,
     `value_loss_sum` (without vf_coef), `clipped_tokens` (clipped policy branch active),
     `value_clipped_tokens` (clipped value loss strictly larger), `num_tokens`, `ratio_sum`,
     `approx_kl_sum` (Σ (r − 1) − log r, the k3 estimate of KL(old‖new), Schulman 2020).
@@ -172,19 +174,23 @@ def ppo_loss(
     value_sum = torch.where(mask, value_loss, 0.0).sum()
     loss_sum = policy_sum + vf_coef * value_sum
 
-    with torch.no_grad():
+    with torch.no_grad():  # 0-dim tensors, no boolean indexing: nothing here waits for the device
         clipped = mask & (((ratio > 1 + clip_ratio) & (adv > 0)) | ((ratio < 1 - clip_ratio) & (adv < 0)))
         metrics = {
-            "loss_sum": float(loss_sum),
-            "policy_loss_sum": float(policy_sum),
-            "value_loss_sum": float(value_sum),
-            "clipped_tokens": float(clipped.sum()),
-            "value_clipped_tokens": float((mask & (value_clipped > value_unclipped)).sum()),
-            "num_tokens": float(mask.sum()),
-            "ratio_sum": float(ratio[mask].sum()),
-            "approx_kl_sum": float(((ratio - 1) - log_ratio)[mask].sum()),
+            "loss_sum": loss_sum.detach(),
+            "policy_loss_sum": policy_sum.detach(),
+            "value_loss_sum": value_sum.detach(),
+            "clipped_tokens": clipped.sum(),
+            "value_clipped_tokens": (mask & (value_clipped > value_unclipped)).sum(),
+            "num_tokens": mask.sum(),
+            "ratio_sum": torch.where(mask, ratio, 0.0).sum(),
+            "approx_kl_sum": torch.where(mask, (ratio - 1) - log_ratio, 0.0).sum(),
         }
     return loss_sum / normalizer, metrics
+
+
+ppo_loss = read_back(ppo_loss_terms)
+"""`ppo_loss_terms` with its metrics read back as floats, in one transfer (`rollout.losses.metrics`)."""
 
 
 def _check_same_shape(**tensors: Tensor) -> None:

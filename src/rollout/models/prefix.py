@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +46,10 @@ class PrefixBatch:
     loss_mask: torch.Tensor | None = None
     """[B, Lc] bool: the completion tokens a loss counts, when not all of them (a multi-turn
     episode's env and tool tokens are attended to but not trained on); None: `completion_mask`."""
+    completion_index: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """[N] long: the flat positions (row * Lc + column) of `completion_mask`'s real tokens, made by
+    `to` where the mask is (on the host, before a device copy) so that nothing on a device has to
+    read the mask's count back; None: found from the mask when asked (`completion_tokens`)."""
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -69,7 +73,18 @@ class PrefixBatch:
     def to(self, device: Any) -> PrefixBatch:
         return PrefixBatch(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
                                                      self.completion_mask, self.owner)),
-                           loss_mask=None if self.loss_mask is None else self.loss_mask.to(device))
+                           loss_mask=None if self.loss_mask is None else self.loss_mask.to(device),
+                           completion_index=self._completion_index().to(device))
+
+    def _completion_index(self) -> torch.Tensor:
+        if self.completion_index is not None:
+            return self.completion_index
+        return self.completion_mask.reshape(-1).nonzero().squeeze(1)  # on a device, a read-back
+
+    def completion_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """`x[self.completion_mask]` for an `x` of [B, Lc, ...]: its real completion tokens' entries,
+        in the same order and bits, gathered by `completion_index` (no device read-back)."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self._completion_index())
 
     def select(self, rows: Sequence[int]) -> PrefixBatch:
         """Some rows, with only the prompts they use (in their original order). The completion
@@ -293,9 +308,9 @@ def packed_layout(
     shift = torch.tensor([[lp - n] for n in plen], device=device)
     src = (torch.arange(width, device=device)[None, :] + shift).clamp(max=lp - 1)
     ids = torch.gather(batch.prompt_ids, 1, src).masked_fill(segment != -1, 0)  # pads: any id, masked
-    sel = batch.completion_mask
-    dest_col = (first.to(device)[:, None] + torch.arange(lc, device=device)[None, :])[sel]
-    ids[batch.owner[:, None].expand(n_rows, lc)[sel], dest_col] = batch.completion_ids[sel]
+    dest_col = batch.completion_tokens(first.to(device)[:, None] + torch.arange(lc, device=device)[None, :])
+    ids[batch.completion_tokens(batch.owner[:, None].expand(n_rows, lc)), dest_col] = batch.completion_tokens(
+        batch.completion_ids)
     attention_mask = mask[:, None] if kernel == "sdpa" else to_additive_mask(mask[:, None], dtype)
     return PackedRows(ids, torch.tensor(position, device=device), attention_mask, batch.owner[:, None], column.to(device))
 
@@ -400,13 +415,13 @@ def prefix_logps(
     if parts is not None:
         base = unwrap_peft(model)
         hidden = prefix_outputs(parts[0], batch, "last_hidden_state", base.config, causal_lm=base)
-        logits = project(parts[1], hidden[sel]).float()
+        logits = project(parts[1], batch.completion_tokens(hidden)).float()
     else:
-        logits = prefix_outputs(model, batch, "logits", unwrap_peft(model).config)[sel].float()
+        logits = batch.completion_tokens(prefix_outputs(model, batch, "logits", unwrap_peft(model).config)).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(1, batch.completion_ids[sel].unsqueeze(1)).squeeze(1)
+    picked = logp_all.gather(1, batch.completion_tokens(batch.completion_ids).unsqueeze(1)).squeeze(1)
     logps = torch.zeros(sel.shape, dtype=picked.dtype, device=picked.device).masked_scatter(sel, picked)
     entropy = None
     if with_entropy:
