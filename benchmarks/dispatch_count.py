@@ -44,8 +44,8 @@ METADATA = frozenset({
 """Operations that make a view or read metadata: no kernel."""
 
 
-NOT_ATEN = frozenset({"mask index", "tolist"})
-"""Counted beside the operations, not operations themselves."""
+NOT_COMPUTING = METADATA | {"mask index", "tolist"}
+"""Views and metadata, and what is counted beside the operations ("mask index", "tolist")."""
 READBACKS = frozenset({"_local_scalar_dense", "nonzero", "mask index", "tolist"})
 """What makes the host wait for a device: a value read (`item`, `float`, `bool`, `int` of a tensor), a
 `nonzero`, a boolean mask's indexing or `masked_select` (the result's size is read), a `tolist`."""
@@ -93,12 +93,12 @@ def readback_kinds(ops: collections.Counter[str], per: float) -> str:
 
 
 def computing(ops: collections.Counter[str]) -> int:
-    return sum(n for name, n in ops.items() if name not in METADATA | NOT_ATEN)
+    return sum(n for name, n in ops.items() if name not in NOT_COMPUTING)
 
 
 def top(ops: collections.Counter[str], per: float, n: int = 12) -> str:
     """The n most frequent computing operations, each with its count divided by `per`."""
-    return ", ".join([f"{name} {v / per:.0f}" for name, v in ops.most_common() if name not in METADATA | NOT_ATEN][:n])
+    return ", ".join([f"{name} {v / per:.0f}" for name, v in ops.most_common() if name not in NOT_COMPUTING][:n])
 
 
 def count_decode(layers: int) -> None:

@@ -8,33 +8,16 @@ CPU, so it is counted by wrapping it."""
 from __future__ import annotations
 
 import asyncio
-import collections
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from readbacks import Waits
 
 from rollout.backends.torch_backend import TorchBackend
 from rollout.losses.grpo import grpo_loss, grpo_loss_terms
 from rollout.losses.metrics import read_metrics
 from rollout.losses.ppo import ppo_loss, ppo_loss_terms
-
-
-class Waits(TorchDispatchMode):
-    """Counts the operations inside it that would make the host wait for a device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.overloadpacket.__name__
-        if name in ("_local_scalar_dense", "nonzero", "masked_select"):
-            self.counts[name] += 1
-        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
-            self.counts["boolean index"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

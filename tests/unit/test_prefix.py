@@ -402,21 +402,7 @@ def test_a_moved_batch_s_log_probs_wait_for_nothing_and_are_the_same_bits(model,
     device. Counted on the CPU: `_local_scalar_dense` is a value read, a boolean mask's indexing
     reads the mask's count; on a GPU each makes the host wait. (The packed layout reads the rows'
     lengths once with a `tolist`, by design: its layout is built on the host.)"""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Waits(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: collections.Counter[str] = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in ("_local_scalar_dense", "nonzero") or (name == "index" and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
-                self.counts[name] += 1
-            return func(*args, **(kwargs or {}))
+    from readbacks import Waits
 
     fresh = _batch()
     moved = fresh.to("cpu")

@@ -25,16 +25,13 @@ Metric = float | torch.Tensor
 def read_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
     """`metrics` as floats, its tensors read back in one transfer (float64, so that counts up to
     2**53 stay exact). A metric whose tensor has more than one element is refused."""
-    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if names:
-        tensors = [metrics[k] for k in names]
-        for name, t in zip(names, tensors, strict=True):
-            if t.numel() != 1:
-                raise ValueError(f"metric {name!r} has {t.numel()} elements, not one")
-        values = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist()
-        out.update(zip(names, values, strict=True))
-    return {k: out[k] for k in metrics}
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    for name, t in tensors.items():
+        if t.numel() != 1:
+            raise ValueError(f"metric {name!r} has {t.numel()} elements, not one")
+    values = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors.values()]).tolist() if tensors else []
+    read = dict(zip(tensors, values, strict=True))
+    return {k: read[k] if k in read else float(v) for k, v in metrics.items()}
 
 
 def read_back(
