@@ -29,8 +29,9 @@ change in the machine's load falls on all sides alike. The ratio reported is the
 of the per-repeat ratios (each from sides that ran back to back); min/median/max are
 over the repeats. Repeats go on until the medians of the job's targeted ratios are stable
 (each moved < 2% with the last repeat) after `--min-repeats`, up to `--max-repeats`, or until
-the job's share of `--budget-min` is spent. A ratio whose median lies within 10% of its target
-is close (one more repeat could flip its verdict): while one is, stability does not end the job,
+the job's share of `--budget-min` is spent. A ratio whose median lies within 10% of its target,
+or whose repeats so far fall on both sides of it, is close (one more repeat could flip its
+verdict): while one is, stability does not end the job,
 which repeats on up to `--close-repeats` (6 quick, 9 full) as long as twice its share lasts.
 OpenMP threads keep torch's default (`OMP_WAIT_POLICY` unset: idle
 threads spin a while before they sleep), as users run it; `--omp-passive` sets PASSIVE (idle
@@ -72,6 +73,14 @@ WEIGHTS = {"startup": 0.05, "sft": 0.2, "sft-mixed": 0.08, "dpo": 0.12, "rm": 0.
 STABLE = 0.02
 CLOSE = 0.10
 """A ratio whose median is within this fraction of its target is close: its verdict is not settled."""
+
+
+def unsettled(values: list[float], target: float) -> bool:
+    """Whether one more repeat could flip a ratio's verdict: its median lies within `CLOSE` of the
+    target, or its repeats so far fall on both sides of it (a noisy 2-thread row whose median is
+    0.80 with repeats 0.72-0.98 against a 0.95 target is not a settled "NO")."""
+    median = statistics.median(values)
+    return abs(median / target - 1) < CLOSE or min(values) < target <= max(values)
 RESULT_PREFIX = "RESULT "
 
 # job settings: (quick, full)
@@ -156,7 +165,7 @@ class Repeats:
             stable = previous is not None and all(
                 abs(medians[name] - previous[name]) <= STABLE * abs(previous[name]) for name in watched)
             previous = medians
-            close = any(abs(medians[name] / t - 1) < CLOSE for name, t in targets.items())
+            close = any(unsettled(per_repeat[name], t) for name, t in targets.items())
             if done >= self.args.min_repeats and (
                 (stable and not close) or done >= (self.args.close_repeats if close else self.args.max_repeats)
                 or used + last_took > self.args.budget_s * (2 if close else 1)
