@@ -73,14 +73,6 @@ WEIGHTS = {"startup": 0.05, "sft": 0.2, "sft-mixed": 0.08, "dpo": 0.12, "rm": 0.
 STABLE = 0.02
 CLOSE = 0.10
 """A ratio whose median is within this fraction of its target is close: its verdict is not settled."""
-
-
-def unsettled(values: list[float], target: float) -> bool:
-    """Whether one more repeat could flip a ratio's verdict: its median lies within `CLOSE` of the
-    target, or its repeats so far fall on both sides of it (a noisy 2-thread row whose median is
-    0.80 with repeats 0.72-0.98 against a 0.95 target is not a settled "NO")."""
-    median = statistics.median(values)
-    return abs(median / target - 1) < CLOSE or min(values) < target <= max(values)
 RESULT_PREFIX = "RESULT "
 
 # job settings: (quick, full)
@@ -128,6 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- one job (worker process)
+
+
+def unsettled(values: list[float], target: float) -> bool:
+    """Whether one more repeat could flip a ratio's verdict: its median lies within `CLOSE` of the
+    target, or its repeats so far fall on both sides of it (a noisy 2-thread row whose median is
+    0.80 with repeats 0.72-0.98 against a 0.95 target is not a settled "NO")."""
+    median = statistics.median(values)
+    return abs(median / target - 1) < CLOSE or min(values) < target <= max(values)
 
 
 class Repeats:

@@ -22,7 +22,7 @@ def _args() -> argparse.Namespace:
 
 
 def _repeats(rollout: list[float], bare: list[float]) -> int:
-    """How many repeats `sft-padded` runs when its per-repeat rollout/bare ratios are rollout/bare."""
+    """How many repeats the `sft-padded` job runs when repeat r's sides read rollout[r] and bare[r]."""
     sides = {"rollout": lambda r: (rollout[r], {}), "bare": lambda r: (bare[r], {})}
     ratios = {"rollout/bare": lambda f: f["rollout"] / f["bare"]}
     out = run_all.Repeats(_args(), "sft-padded").run(sides, ratios)
@@ -46,6 +46,7 @@ def test_stable_ratios_far_from_the_target_stop_at_the_minimum_repeats():
 
 
 def test_repeats_that_straddle_the_target_run_on_to_the_close_cap():
-    """0.72, 0.80, 0.98, 0.80, ...: the median is stable at 0.80 (a "NO" against 0.95) after three
-    repeats, but one repeat read above the target, so the loop runs on to `close_repeats`."""
+    """0.72, 0.80, 0.98, 0.80, ...: the median is stable at 0.80 (a "NO" against 0.95) from the
+    fourth repeat, where the median-only rule stopped; one repeat read above the target, so the
+    loop runs on to `close_repeats`."""
     assert _repeats([7.2, 8.0, 9.8, 8.0, 8.0, 8.0], [10.0] * 6) == 6
