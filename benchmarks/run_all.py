@@ -39,7 +39,7 @@ threads sleep at once), which steadies figures on a machine that other processes
 made every 2-thread figure ~1.5-2x slower for both sides on the 2-core VMs and hid a slowdown
 only spinning threads showed (two OpenMP teams waking each other: benchmarks/README.md).
 
-Writes `benchmarks/results/<date>-<host>.md` (the table, versions, load average, and which kind
+Writes `benchmarks/results/<date>-<host>.md` (the table, the commit, versions, load average, and which kind
 of machine it is: `machine.py`'s CPU, vector ISA, caches and one-thread kernel figures, measured
 first) and `.json` (every repeat's figures) unless `--no-write`. The startup table also times the
 references beside `rollout --help` (`python -c pass`, `import typer`, a bare typer app's `--help`).
@@ -514,8 +514,20 @@ def paired_interval(diffs: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
+def reward_comparison(extra: dict[str, Any]) -> dict[str, Any]:
+    """A GRPO job's last-window rewards, rollout against TRL (repeat r = seed r on both sides): each
+    side's mean, the mean per-seed difference and its 95% interval, and the verdict: yes where
+    rollout's mean is >= TRL's, tie where it is below but the interval holds 0, else NO."""
+    mean = {n: statistics.fmean(e["reward_last"] for e in extra[n]) for n in ("rollout", "trl")}
+    diffs = [a["reward_last"] - b["reward_last"] for a, b in zip(extra["rollout"], extra["trl"], strict=True)]
+    low, high = paired_interval(diffs)
+    met = "yes" if mean["rollout"] >= mean["trl"] else ("tie" if high >= 0 else "NO")
+    return {**mean, "difference": statistics.fmean(diffs), "low": low, "high": high, "met": met}
+
+
 def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, meta: dict[str, Any]) -> str:
-    out = [f"# rollout benchmarks, {meta['date']}, {meta['host']}", "",
+    commit = f", {meta['commit']}" if meta.get("commit") else ""
+    out = [f"# rollout benchmarks, {meta['date']}, {meta['host']}{commit}", "",
            f"{meta['versions']}; {meta['cpus']} cpus; mode {meta['mode']}; OMP_WAIT_POLICY {meta['omp']}; "
            f"{'' if meta.get('cpu_matmul', 'torch') == 'torch' else 'rollout cpu_matmul ' + meta['cpu_matmul'] + '; '}"
            f"load average {meta['load_before']} before, {meta['load_after']} after; {meta['minutes']:.1f} min.", "",
@@ -552,15 +564,11 @@ def render_markdown(rows: list[dict[str, Any]], startup: dict[str, Any] | None, 
             per_side = {n: r["extra"][n] for n in ("rollout", "trl")}
             text = {n: ", ".join(f"{e['reward_first']:.3f} -> {e['reward_last']:.3f}" for e in v)
                     for n, v in per_side.items()}
-            mean = {n: statistics.fmean(e["reward_last"] for e in v) for n, v in per_side.items()}
-            pairs = zip(per_side["rollout"], per_side["trl"], strict=True)  # repeat r: seed r on both sides
-            diffs = [a["reward_last"] - b["reward_last"] for a, b in pairs]
-            low, high = paired_interval(diffs)
-            met = "yes" if mean["rollout"] >= mean["trl"] else ("tie" if high >= 0 else "NO")
+            c = reward_comparison(r["extra"])
             steps = per_side["rollout"][0]["steps"]
             out.append(f"| {r['job']} | {r['threads']} | {steps} | {text['rollout']} | {text['trl']} | "
-                       f"{mean['rollout']:.3f} / {mean['trl']:.3f} | {statistics.fmean(diffs):+.3f} "
-                       f"[{low:+.3f}, {high:+.3f}] | {met} |")
+                       f"{c['rollout']:.3f} / {c['trl']:.3f} | {c['difference']:+.3f} "
+                       f"[{c['low']:+.3f}, {c['high']:+.3f}] | {c['met']} |")
     if startup:
         out += ["", "| command | wall min | wall median | wall max | cpu min | cpu median | target | met (median wall) |",
                 "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -585,6 +593,18 @@ def versions() -> str:
     return ", ".join(found) + f", python {platform.python_version()}"
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (`git describe --always --dirty`), or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -606,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             results[threads].update(run_worker(job, threads, share, args))
     rows = summarize(results)
     now = dt.datetime.now()
-    meta = {"date": now.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(), "versions": versions(),
+    meta = {"date": now.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(), "commit": git_commit(),
+            "versions": versions(),
             "cpus": os.cpu_count(), "mode": "quick" if args.quick else "full",
             "omp": "PASSIVE" if args.omp_passive else "spin (unset)",
             "cpu_matmul": args.cpu_matmul,
