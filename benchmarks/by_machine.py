@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,7 @@ def verdicts(run: dict[str, Any]) -> dict[tuple[str, int], tuple[str, bool]] | N
             out["grpo-learn reward, rollout >= TRL (or a tie)", t] = (
                 f"{c['met']} ({c['rollout']:.3f} vs {c['trl']:.3f})", c["met"] != "NO")
     for name in STARTUP:
-        wall = sorted(startup[name]["wall"])
-        median = wall[len(wall) // 2] if len(wall) % 2 else (wall[len(wall) // 2 - 1] + wall[len(wall) // 2]) / 2
+        median = statistics.median(startup[name]["wall"])
         out[f"rollout {name} < {STARTUP_TARGET_S} s (median wall)", 1] = (f"{median:.3f} s", median < STARTUP_TARGET_S)
     return out
 
