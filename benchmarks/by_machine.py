@@ -22,12 +22,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from run_all import TARGETS, reward_comparison
+from run_all import STARTUP_TARGET_S, TARGETS, reward_comparison
 
 HERE = Path(__file__).resolve().parent
 THREADS = (1, 2)
 STARTUP = ("--help", "validate")
-STARTUP_TARGET_S = 0.3
 
 
 def machine_kind(meta: dict[str, Any]) -> str | None:
@@ -84,8 +83,8 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _cell(pairs: list[tuple[str, bool] | None]) -> str:
-    return " / ".join("-" if p is None else (p[0] if p[1] else f"{p[0]}*") for p in pairs)
+def _cell(pairs: list[tuple[str, bool]]) -> str:
+    return " / ".join(text if met else f"{text}*" for text, met in pairs)
 
 
 def render(runs: list[dict[str, Any]], since: str | None = None) -> str:
@@ -99,8 +98,8 @@ def render(runs: list[dict[str, Any]], since: str | None = None) -> str:
     out = ["Latest whole run of each kind, 1 / 2 threads (`*`: short of the target):", "",
            "| target | " + " | ".join(head) + " |", "|---|" + "---|" * len(kinds)]
     for name in names:
-        cells = [_cell([latest[k]["verdicts"].get((name, t)) for t in THREADS if (name, t) in latest[k]["verdicts"]])
-                 or "-" for k in kinds]
+        cells = [_cell([r["verdicts"][name, t] for t in THREADS if (name, t) in r["verdicts"]]) or "-"
+                 for r in latest.values()]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     if since:
         recent = [r for r in whole if r["date"] >= since]
