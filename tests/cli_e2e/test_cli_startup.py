@@ -119,6 +119,57 @@ def test_validate_imports_the_config_models_but_no_store_or_ml_library(tmp_path,
     }
 
 
+VALIDATE_PROBE = """
+import atexit, gc, importlib.metadata, json, os, sys
+
+scans, collections = [], []
+distributions = importlib.metadata.distributions
+def counted(**kwargs):
+    scans.append(1)
+    return distributions(**kwargs)
+importlib.metadata.distributions = counted  # entry_points() and pydantic's plugin loader call it
+
+import functools
+from rollout.cli import config_cmds
+inside = []
+@functools.wraps(config_cmds.validate)
+def watched(*args, **kwargs):  # the command itself, from its first import to its output
+    inside.append(1)
+    try:
+        return watched.__wrapped__(*args, **kwargs)
+    finally:
+        inside.clear()
+config_cmds.validate = watched  # what `register` hands to typer
+gc.callbacks.append(lambda phase, info: phase == "start" and inside and collections.append(info))
+
+def report():  # registered before validate's exit hook, so it runs after it
+    print(json.dumps({"scans": len(scans), "collections": len(collections),
+                      "frozen_at_exit": gc.get_freeze_count(), "gc_on": gc.isenabled(),
+                      "plugins_env": os.environ.get("PYDANTIC_DISABLE_PLUGINS")}))
+atexit.register(report)
+from rollout.cli.main import main
+main(["validate", "--config", sys.argv[1]])
+"""
+
+
+def test_validate_scans_the_installed_packages_once_collects_nothing_and_freezes_at_exit(tmp_path, arith_data):
+    """`validate` starts like the short command it is: one scan of the installed packages' entry
+    points (rollout's plugins; pydantic's own plugin scan is off while the config models build),
+    no cyclic collection while it loads the models and scans the lines, and the heap frozen at exit
+    so that the interpreter's teardown collections skip it (benchmarks/startup.py)."""
+    config = example_config("sft-tiny.toml", tmp_path, arith_data)
+    probe = tmp_path / "probe.py"
+    probe.write_text(VALIDATE_PROBE)
+    result = run_python(f"import runpy, sys; sys.argv = ['probe', {str(config)!r}]; runpy.run_path({str(probe)!r})")
+    assert_ok(result)
+    assert result.stdout.startswith("config OK: algorithm=sft "), result.stdout
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["scans"] == 1
+    assert seen["collections"] <= 1  # the one due when the pause ends, if any (21 before the pause)
+    assert seen["gc_on"] is True and seen["plugins_env"] is None  # both as they were once validate returned
+    assert seen["frozen_at_exit"] > 10_000  # typer, pydantic and the config models
+
+
 def test_validate_of_an_rl_config_imports_no_ml_library(tmp_path, arith_data):
     """RL configs: reward and env names are checked against the built-ins and the plugins'
     metadata while parsing; no reward function or env is imported (that is `plan`'s)."""

@@ -48,6 +48,13 @@ def first_error(path: Path, kind: str) -> str:
         ),
         (
             "sft",
+            {"messages": [{"role": ["user"], "content": "x"}]},
+            'messages[0]: field "role" must be one of system, user, assistant, tool, got array',
+        ),
+        ("sft", {"messages": [{"role": "tool"}]}, 'messages[0]: missing field "content"'),
+        ("sft", {"messages": [{"role": "bot"}]}, 'messages[0]: missing field "content"'),
+        (
+            "sft",
             {"messages": [{"role": 1, "content": "x"}]},
             'messages[0]: field "role" must be one of system, user, assistant, tool, got number',
         ),
@@ -269,6 +276,35 @@ def test_invalid_utf8_is_a_located_error(tmp_path):
     path = tmp_path / "bin.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     assert first_error(path, "sft") == f"{path}:2: invalid UTF-8 at byte 10"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"text": "a"}', b'{"text": "a"}\n', b'{"text": "a"}\r\n', b'{"text": "a"}  \t \n',
+        b'  {"text": "a"}\n', b'\t[1, 2]\n', b'"s"', b"3", b"null\n", b"NaN\n", b"-Infinity",
+        b'{"a": 1}{"b": 2}', b'{"a": 1} x', b'{"a": 1}\x0c\n', b'{"a": 1}\xc2\xa0', b"{bad",
+        b"\xef\xbb\xbf{}", b'{"a": "\\ud800"}', b"[" * 100_000 + b"]" * 100_000, b"[" * 100_000,
+    ],
+)
+def test_a_line_parses_exactly_as_json_loads_says(raw):
+    """`_parse_line`'s fast path (raw_decode) takes only what `json.loads` takes, gives its value,
+    and leaves every other line, its message included, to `json.loads` (`\\x0c` and a no-break
+    space after the value are not JSON whitespace: extra data)."""
+    from rollout.data.jsonl import _parse_line
+
+    text = raw.decode("utf-8")
+    try:
+        expected: tuple[object, str | None] = (json.loads(text), None)
+    except json.JSONDecodeError as exc:
+        expected = (None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+    except RecursionError:
+        expected = (None, "invalid JSON: nested too deeply")
+    got = _parse_line(raw)
+    if expected[0] != expected[0]:  # NaN
+        assert got[0] != got[0] and got[1] is None
+    else:
+        assert got == expected
 
 
 def test_jsonl_does_not_import_heavy_modules():

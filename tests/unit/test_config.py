@@ -143,3 +143,19 @@ def test_committed_schema_matches_the_code():
 def test_rollout_schema_prints_the_same_schema():
     out = subprocess.run([sys.executable, "-m", "rollout.cli.main", "schema"], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == RunConfig.model_json_schema()
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_pydantic_plugins_are_off_inside_the_block_and_as_they_were_after(before, monkeypatch):
+    import os
+
+    from rollout.config_base import pydantic_plugins_off
+
+    if before is None:
+        monkeypatch.delenv("PYDANTIC_DISABLE_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("PYDANTIC_DISABLE_PLUGINS", before)
+    with pytest.raises(RuntimeError), pydantic_plugins_off():
+        assert os.environ["PYDANTIC_DISABLE_PLUGINS"] == "1"
+        raise RuntimeError("a config error")
+    assert os.environ.get("PYDANTIC_DISABLE_PLUGINS") == before

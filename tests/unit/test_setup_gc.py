@@ -78,3 +78,13 @@ def test_a_nested_pause_is_the_outer_ones():
         setup_gc.setup_done()
         assert gc.isenabled() and gc.get_freeze_count() > 0
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_freeze_at_exit_registers_gc_freeze_once(monkeypatch):
+    registered = []
+    monkeypatch.setattr(setup_gc.atexit, "register", registered.append)
+    monkeypatch.setitem(setup_gc._exit_freeze, "registered", False)
+    setup_gc.freeze_at_exit()
+    setup_gc.freeze_at_exit()  # validate called twice in one process (a test, a pipeline)
+    assert registered == [gc.freeze]
+    assert gc.get_freeze_count() == 0  # nothing frozen before the interpreter exits

@@ -275,19 +275,25 @@ def _check_messages(value: object, field: str, *, need_assistant: bool) -> str |
         return f'field "{field}" must not be empty'
     has_assistant = False
     for i, message in enumerate(value):
-        where = f"{field}[{i}]"
-        if not isinstance(message, dict):
-            return f"{where} must be an object, got {json_type(message)}"
-        for key in ("role", "content"):
-            if key not in message:
-                return f'{where}: missing field "{key}"'
-        role = message["role"]
-        if role not in ROLES:
-            shown = json.dumps(role) if isinstance(role, str) else json_type(role)
-            return f'{where}: field "role" must be one of {", ".join(ROLES)}, got {shown}'
-        if not isinstance(message["content"], str):
-            return f'{where}: field "content" must be a string, got {json_type(message["content"])}'
-        has_assistant = has_assistant or role == "assistant"
+        # One test for the usual message; the located problem is worked out only for a bad one
+        # (`validate` runs this on every message of every line).
+        if not (isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)):
+            return _message_problem(message, f"{field}[{i}]")
+        has_assistant = has_assistant or message["role"] == "assistant"
     if need_assistant and not has_assistant:
         return f'field "{field}" has no assistant message'
     return None
+
+
+def _message_problem(message: object, where: str) -> str:
+    """What is wrong with a message that failed `_check_messages`' test."""
+    if not isinstance(message, dict):
+        return f"{where} must be an object, got {json_type(message)}"
+    for key in ("role", "content"):
+        if key not in message:
+            return f'{where}: missing field "{key}"'
+    role = message["role"]
+    if role not in ROLES:
+        shown = json.dumps(role) if isinstance(role, str) else json_type(role)
+        return f'{where}: field "role" must be one of {", ".join(ROLES)}, got {shown}'
+    return f'{where}: field "content" must be a string, got {json_type(message["content"])}'
