@@ -65,10 +65,12 @@ def freeze_at_exit() -> None:
     tears its modules down, so that the collections of that teardown skip what is frozen. They
     scanned every object the imports made (pydantic, typer: ~5% of `validate`'s instructions,
     `benchmarks/startup.py`) only to find module state that dies with the process anyway. What
-    still runs at exit runs as before: atexit hooks (this one runs first: last registered), the
-    flush of stdout and stderr, deallocation by reference count. Not for a command that holds
-    connections or files in reference cycles whose finalizers should run at exit (a training run,
-    a server). Registered once per process."""
+    still runs at exit runs as before: atexit hooks (this one runs first: last registered), and so
+    `weakref.finalize` callbacks (a sidecar's process group is still killed), the flush of stdout
+    and stderr, deallocation by reference count. What it skips is the finalizers of cyclic garbage
+    left at exit, which Python does not promise to run anyway, and which nothing of rollout's
+    relies on (the stores commit as they go). Registered once per process, so a process that calls
+    `validate` in-process (a test) freezes at its own exit too."""
     if not _exit_freeze["registered"]:
         _exit_freeze["registered"] = True
         atexit.register(gc.freeze)
