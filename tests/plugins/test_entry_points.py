@@ -244,6 +244,8 @@ def test_may_register_leaves_a_zip_or_another_finder_to_the_scan(tmp_path, monke
     empty.mkdir()
     set_path(empty)
     assert may_register(GROUP) is False
+    monkeypatch.setattr(sys, "path", [str(empty), str(empty).encode()])  # a bytes entry (some tools put one)
+    assert may_register(GROUP) is True
     archive = tmp_path / "bundle.zip"
     archive.write_bytes(b"PK\x05\x06" + b"\0" * 18)  # an empty zip archive
     set_path(empty, archive)
