@@ -105,12 +105,12 @@ def entry_point_plugins() -> tuple[tuple[Plugin, ...], tuple[str, ...]]:
     A problem is an entry point whose name has no known `<kind>.` prefix (it is skipped).
     Cached for the process: `entry_point_plugins.cache_clear()` after changing `sys.path`.
     """
-    plugins: list[Plugin] = []
-    problems: list[str] = []
     if not may_register(GROUP):
         return (), ()
     from importlib.metadata import entry_points
 
+    plugins: list[Plugin] = []
+    problems: list[str] = []
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, _origin(e))):
         kind, _, name = ep.name.partition(".")
         if kind not in KINDS or not name:
