@@ -112,6 +112,7 @@ def test_validate_imports_the_config_models_but_no_store_or_ml_library(tmp_path,
         f"config OK: algorithm=sft model={tmp_path.resolve()}/models/tiny dataset={arith_data['sft']} lines=64\n"
     )
     assert loaded(modules, (*HEAVY, "asyncio", "rollout.store", "rollout.inference.batch")) == []
+    assert "importlib.metadata" not in modules  # pydantic's plugin loader stays a stand-in: plugins are off
     assert {"pydantic", "rollout.config", "rollout.data.jsonl"} <= modules
     # The other commands' modules stay unimported.
     assert {m for m in modules if m.startswith("rollout.cli")} == {
@@ -169,6 +170,76 @@ def test_validate_scans_no_entry_points_collects_nothing_and_freezes_at_exit(tmp
     assert seen["collections"] <= 1  # the one due when the pause ends, if any (21 before the pause)
     assert seen["gc_on"] is True and seen["plugins_env"] is None  # both as they were once validate returned
     assert seen["frozen_at_exit"] > 10_000  # typer, pydantic and the config models
+
+
+PLUGIN_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "stand-in":
+    from rollout.cli.main import _defer_pydantic_plugin_loader
+    _defer_pydantic_plugin_loader()
+import pydantic
+import probe_plugin
+
+def build(name, disabled):
+    if disabled is None:
+        os.environ.pop("PYDANTIC_DISABLE_PLUGINS", None)
+    else:
+        os.environ["PYDANTIC_DISABLE_PLUGINS"] = disabled
+    model = pydantic.create_model(name, x=(int, ...))
+    model(x=1)
+    return {"name": name, "metadata": "importlib.metadata" in sys.modules,
+            "loader": type(sys.modules["pydantic.plugin._loader"]).__name__}
+
+seen = [build("Off", "1"), build("OffAll", "__all__"), build("On", None), build("OffAgain", "true")]
+print(json.dumps({"seen": seen, "validated": probe_plugin.validated}))
+"""
+
+PROBE_PLUGIN = """
+validated = []
+
+class OnValidatePython:
+    def __init__(self, name):
+        self.name = name
+
+    def on_enter(self, input, **kwargs):
+        validated.append(self.name)
+
+
+class Plugin:
+    def new_schema_validator(self, schema, schema_type, schema_type_path, schema_kind, config, settings):
+        return OnValidatePython(schema_type_path.name), None, None
+
+
+plugin = Plugin()
+"""
+
+
+@pytest.mark.parametrize("loader", ["stand-in", "pydantic's"])
+def test_pydantic_plugins_load_as_they_would_without_the_stand_in(loader, tmp_path):
+    """`rollout.cli.main` stands in for pydantic's plugin loader (it imports `importlib.metadata`)
+    until plugins are on. A real plugin, registered the way pydantic finds them (an entry point of
+    the `pydantic` group in an installed distribution's metadata): with PYDANTIC_DISABLE_PLUGINS
+    set to "1" or "__all__" nothing is loaded and `importlib.metadata` is not imported; unset, the real loader
+    loads it and it sees the validation; set again, the real loader returns none. The same
+    observations without the stand-in, but for the import, which pydantic's own loader makes at once."""
+    (tmp_path / "probe_plugin.py").write_text(PROBE_PLUGIN)
+    dist = tmp_path / "probe_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: probe-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[pydantic]\nprobe = probe_plugin:plugin\n")
+    result = run_python(PLUGIN_PROBE.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2]", repr(loader)))
+    assert_ok(result)
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["validated"] == ["On"]  # the plugin is loaded once plugins are on, and used only then
+    off, off_all, on, off_again = found["seen"]
+    real = "module"
+    if loader == "stand-in":
+        assert [off["loader"], off_all["loader"]] == ["_PydanticLoaderStandIn"] * 2
+        assert [off["metadata"], off_all["metadata"]] == [False, False]
+    else:
+        assert [off["loader"], off_all["loader"], off["metadata"]] == [real, real, True]
+    assert [on["loader"], off_again["loader"], on["metadata"]] == [real, real, True]
 
 
 def test_validate_of_an_rl_config_imports_no_ml_library(tmp_path, arith_data):

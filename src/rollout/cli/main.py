@@ -14,7 +14,9 @@ sub-command's module and makes its command when that command is used
 (`rollout validate` imports `config_cmds` only), and a sub-command group's own
 commands are made only when that group is used (`_LazyCommands`). typer's
 help renderer is loaded without `rich.markdown` and `rich.traceback`, which it
-imports but rollout never uses (`_defer_rich_extras`).
+imports but rollout never uses (`_defer_rich_extras`), and pydantic's plugin
+loader, which imports `importlib.metadata`, stays a stand-in while the validators
+typer and `validate` build have plugins off (`_defer_pydantic_plugin_loader`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 import traceback
 from collections.abc import MutableMapping
 from types import ModuleType
@@ -264,6 +267,67 @@ def _undefer_rich_extras() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RichUtilsFinder)]
 
 
+# pydantic asks `pydantic.plugin._loader.get_plugins()` each time it builds a validator, and that
+# module imports `importlib.metadata` (and with it `email`, `zipfile`, `socket`...: ~50 M instructions,
+# 4.6% of `rollout validate`'s) only for the entry-point scan it runs when plugins are on. typer builds
+# its parameters' validators, and `validate` rollout's config models, with plugins off
+# (PYDANTIC_DISABLE_PLUGINS=1; `config_base.pydantic_plugins_off`), when `get_plugins` returns () at
+# once. `_defer_pydantic_plugin_loader()` (called by `main`) puts a finder first on `sys.meta_path`:
+# when pydantic imports that module, it gets a stand-in whose `get_plugins` answers () as the real one
+# does while plugins are off. With plugins on, or for any other name, the stand-in takes itself and
+# the finder out, imports the real module and hands over to it: plugins load exactly as they would have.
+
+_PYDANTIC_LOADER = "pydantic.plugin._loader"
+_HANDOVER = threading.Lock()
+_PLUGINS_OFF = ("__all__", "1", "true")
+"""The values of PYDANTIC_DISABLE_PLUGINS for which pydantic's `get_plugins` returns () (2.14's `_loader`;
+tests/cli_e2e/test_cli_startup.py checks the stand-in against the installed pydantic with a real plugin)."""
+
+
+class _PydanticLoaderStandIn(ModuleType):
+    """`pydantic.plugin._loader` until it is needed with plugins on (see `_defer_pydantic_plugin_loader`)."""
+
+    def get_plugins(self) -> Any:
+        if os.environ.get("PYDANTIC_DISABLE_PLUGINS") in _PLUGINS_OFF:
+            return ()
+        return self._real().get_plugins()
+
+    def __getattr__(self, name: str) -> Any:  # any other name (`_plugins`, `entry_points`...): the real module's
+        if name.startswith("__"):  # probes (the import system, copy, typing...) must not load the real module
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def _real(self) -> ModuleType:
+        with _HANDOVER:  # two threads handing over at once: one real module, never one taken out
+            _undefer_pydantic_plugin_loader()
+            if sys.modules.get(_PYDANTIC_LOADER) is self:
+                del sys.modules[_PYDANTIC_LOADER]
+            return importlib.import_module(_PYDANTIC_LOADER)
+
+
+class _PydanticLoaderFinder:
+    """Makes the stand-in when pydantic first imports its plugin loader (a finder and loader in one)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, self) if fullname == _PYDANTIC_LOADER else None
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return _PydanticLoaderStandIn(spec.name, "Stand-in for pydantic's plugin loader (rollout.cli.main).")
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+def _defer_pydantic_plugin_loader() -> None:
+    """The stand-in for pydantic's plugin loader's first import (nothing if it is loaded)."""
+    if _PYDANTIC_LOADER not in sys.modules and not any(isinstance(f, _PydanticLoaderFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PydanticLoaderFinder())
+
+
+def _undefer_pydantic_plugin_loader() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PydanticLoaderFinder)]
+
+
 def report_error(err: RolloutError) -> None:
     """One clear line first, details after (SPEC section 2)."""
     print(f"error: {err}", file=sys.stderr)
@@ -289,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # writing); they would push a later error off stderr's first line. We draw our own.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     _defer_rich_extras()  # help screens without rich.markdown and rich.traceback (~100 ms)
+    _defer_pydantic_plugin_loader()  # validators built with plugins off import no importlib.metadata (~17 ms)
     try:
         app(args=argv, standalone_mode=False, prog_name="rollout")
     except RolloutError as err:
