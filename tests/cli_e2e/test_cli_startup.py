@@ -174,8 +174,8 @@ def test_validate_scans_no_entry_points_collects_nothing_and_freezes_at_exit(tmp
 
 PLUGIN_PROBE = """
 import json, os, sys
-sys.path.insert(0, sys.argv[1])
-if sys.argv[2] == "stand-in":
+sys.path.insert(0, PLUGIN_DIR)
+if LOADER == "stand-in":
     from rollout.cli.main import _defer_pydantic_plugin_loader
     _defer_pydantic_plugin_loader()
 import pydantic
@@ -228,7 +228,7 @@ def test_pydantic_plugins_load_as_they_would_without_the_stand_in(loader, tmp_pa
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: probe-plugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[pydantic]\nprobe = probe_plugin:plugin\n")
-    result = run_python(PLUGIN_PROBE.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2]", repr(loader)))
+    result = run_python(PLUGIN_PROBE.replace("PLUGIN_DIR", repr(str(tmp_path))).replace("LOADER", repr(loader)))
     assert_ok(result)
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["validated"] == ["On"]  # the plugin is loaded once plugins are on, and used only then
