@@ -250,7 +250,7 @@ class _RichUtilsFinder:
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != _RICH_UTILS:
             return None
-        _undefer_rich_extras()
+        _take_off_meta_path(_RichUtilsFinder)
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
             spec.loader = _RichUtilsLoader(spec.loader)
@@ -259,12 +259,17 @@ class _RichUtilsFinder:
 
 def _defer_rich_extras() -> None:
     """Defer the two modules for the next import of `typer.rich_utils` (nothing if it is loaded)."""
-    if _RICH_UTILS not in sys.modules and not any(isinstance(f, _RichUtilsFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RichUtilsFinder())
+    _put_first_on_meta_path(_RichUtilsFinder, _RICH_UTILS)
 
 
-def _undefer_rich_extras() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RichUtilsFinder)]
+def _put_first_on_meta_path(finder: type, module: str) -> None:
+    """A `finder()` first on `sys.meta_path` for `module`'s next import, unless it is loaded or one is there."""
+    if module not in sys.modules and not any(isinstance(f, finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, finder())
+
+
+def _take_off_meta_path(finder: type) -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, finder)]
 
 
 # pydantic asks `pydantic.plugin._loader.get_plugins()` each time it builds a validator, and that
@@ -299,7 +304,7 @@ class _PydanticLoaderStandIn(ModuleType):
 
     def _real(self) -> ModuleType:
         with _HANDOVER:  # two threads handing over at once: one real module, never one taken out
-            _undefer_pydantic_plugin_loader()
+            _take_off_meta_path(_PydanticLoaderFinder)
             if sys.modules.get(_PYDANTIC_LOADER) is self:
                 del sys.modules[_PYDANTIC_LOADER]
             return importlib.import_module(_PYDANTIC_LOADER)
@@ -320,12 +325,7 @@ class _PydanticLoaderFinder:
 
 def _defer_pydantic_plugin_loader() -> None:
     """The stand-in for pydantic's plugin loader's first import (nothing if it is loaded)."""
-    if _PYDANTIC_LOADER not in sys.modules and not any(isinstance(f, _PydanticLoaderFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PydanticLoaderFinder())
-
-
-def _undefer_pydantic_plugin_loader() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PydanticLoaderFinder)]
+    _put_first_on_meta_path(_PydanticLoaderFinder, _PYDANTIC_LOADER)
 
 
 def report_error(err: RolloutError) -> None:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # writing); they would push a later error off stderr's first line. We draw our own.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     _defer_rich_extras()  # help screens without rich.markdown and rich.traceback (~100 ms)
-    _defer_pydantic_plugin_loader()  # validators built with plugins off import no importlib.metadata (~17 ms)
+    _defer_pydantic_plugin_loader()  # validators built with plugins off import no importlib.metadata (~12 ms)
     try:
         app(args=argv, standalone_mode=False, prog_name="rollout")
     except RolloutError as err:
